@@ -1,0 +1,5 @@
+import sys
+
+from realscale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""The ``realscale`` command.
+
+Subcommands are listed in :data:`COMMANDS` as ``name -> (module, one-line help)``. A
+module is imported only when its subcommand runs, so ``realscale --help`` never imports
+torch. Each module defines ``add_arguments(parser)`` and ``run(args) -> int``.
+
+A :class:`~realscale.config.ConfigError` (or any other ``UsageError``) is printed as one
+line, ``realscale: error: ...``, with exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("realscale.commands.config", "show, check or document the configuration (recipe + overrides)"),
+    "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
+}
+
+
+class UsageError(ValueError):
+    """A user mistake that deserves a one-line message rather than a traceback."""
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        "usage: realscale <command> [options]",
+        "",
+        "Fully asynchronous RL for large reasoning models on Megatron-core.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'realscale <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from realscale import __version__
+
+        print(f"realscale {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"realscale: error: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"realscale {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    from realscale.config import ConfigError
+
+    try:
+        return int(module.run(args) or 0)
+    except (ConfigError, UsageError) as exc:
+        print(f"realscale: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``realscale`` subcommand (see ``realscale/cli.py``)."""

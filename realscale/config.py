@@ -1,0 +1,415 @@
+"""The typed configuration tree of realscale.
+
+One tree of dataclasses; every field is a documented knob (``knob(default, help)``).
+Recipes are YAML files under ``configs/``; the command line adds dotted overrides
+(``rollout.max_staleness=4``). OmegaConf's structured configs do the merging and type
+conversion; this module turns their exceptions into one-line :class:`ConfigError`
+messages that name the key, the closest valid key, or the expected type.
+
+Adding a knob: add a field with ``knob()`` to the section it belongs to. Adding a
+section: a new dataclass plus one field on :class:`Config`. Keep this module free of
+heavy imports: ``realscale --help`` imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401 - MISSING is re-exported
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or override. ``str()`` is one line for the user."""
+
+
+def knob(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best at call sites
+    """A config field with its documentation attached (see :func:`describe`)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _one_of(section: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(section: str, name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{section}.{name}: must be {bound}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes, how long it lasts, and what it logs."""
+
+    name: str = knob("tiny", "Run name; outputs go to <output_dir>/<name>.")
+    output_dir: str = knob("runs", "Parent directory of run directories.")
+    seed: int = knob(1, "Global seed for data order, sampling and initialisation.")
+    total_steps: int = knob(20, "Number of RL (policy-update) steps to run.")
+    checkpoint_every: int = knob(10, "Save a resumable checkpoint every k steps (0: only at the end).")
+    log_every: int = knob(1, "Write metrics every k steps.")
+    tensorboard: bool = knob(False, "Also write TensorBoard event files.")
+    wandb: bool = knob(False, "Also log to Weights & Biases.")
+    wandb_mode: str = knob("offline", "wandb mode: offline (default, no network) or online.")
+
+    def __post_init__(self) -> None:
+        _positive("run", "total_steps", self.total_steps, allow_zero=True)
+        _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
+        _positive("run", "log_every", self.log_every)
+        _one_of("run", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = knob("tiny-qwen2", "HF model directory (config.json + safetensors), or a built-in tiny model name.")
+    dtype: str = knob("float32", "Parameter dtype for training: float32, bfloat16 or float16.")
+    tokenizer: str = knob("", "Tokenizer directory; empty means the model directory.")
+
+    def __post_init__(self) -> None:
+        _one_of("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class ParallelConfig:
+    """The 3D-parallel layout of the trainer (Megatron rank order: tp fastest, then dp, then pp)."""
+
+    tp: int = knob(1, "Tensor-parallel degree.")
+    pp: int = knob(1, "Pipeline-parallel degree.")
+    dp: int = knob(1, "Data-parallel degree.")
+    sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
+    backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            _positive("parallel", name, getattr(self, name))
+        _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel: needs parallel.tp > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class OptimConfig:
+    """Adam with decoupled weight decay, warmup and a decay schedule."""
+
+    lr: float = knob(1e-4, "Peak learning rate.")
+    min_lr: float = knob(0.0, "Final learning rate of the cosine schedule.")
+    weight_decay: float = knob(0.0, "Decoupled weight decay.")
+    adam_beta1: float = knob(0.9, "Adam beta1.")
+    adam_beta2: float = knob(0.999, "Adam beta2.")
+    adam_eps: float = knob(1e-8, "Adam epsilon.")
+    warmup_steps: int = knob(0, "Linear warmup steps (optimizer steps).")
+    schedule: str = knob("constant", "Learning-rate schedule after warmup: constant or cosine.")
+    clip_grad: float = knob(1.0, "Clip the global gradient norm to this value (0: no clipping).")
+    distributed_optimizer: bool = knob(True, "Shard optimizer state across data-parallel ranks (Megatron).")
+
+    def __post_init__(self) -> None:
+        _positive("optim", "lr", self.lr)
+        _positive("optim", "clip_grad", self.clip_grad, allow_zero=True)
+        _one_of("optim", "schedule", self.schedule, ("constant", "cosine"))
+
+
+@dataclass
+class TrainConfig:
+    """How a batch becomes optimizer steps."""
+
+    max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch.")
+    mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
+    logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
+
+    def __post_init__(self) -> None:
+        _positive("train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        _positive("train", "mini_batches", self.mini_batches)
+        _positive("train", "logprob_chunk_tokens", self.logprob_chunk_tokens)
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective: advantages, the decoupled PPO loss, KL."""
+
+    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae.")
+    group_std_norm: bool = knob(True, "GRPO: divide group-centred rewards by the group std.")
+    gamma: float = knob(1.0, "GAE discount.")
+    lam: float = knob(1.0, "GAE lambda.")
+    eps_clip: float = knob(0.2, "PPO clip epsilon (lower side).")
+    eps_clip_high: float = knob(0.2, "PPO clip epsilon of the upper side (asymmetric clip; equal to eps_clip for symmetric).")
+    dual_clip: float = knob(0.0, "Dual-clip constant c > 1 bounding the loss for negative advantages (0: off).")
+    decoupled: bool = knob(True, "Decoupled PPO: recompute proximal log-probs (False: proximal = behaviour).")
+    behav_imp_weight_cap: float = knob(5.0, "Cap on w = exp(logp_prox - logp_behav) (0: no cap).")
+    behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
+    loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
+    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model (0: no reference model).")
+    kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
+
+    def __post_init__(self) -> None:
+        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "gae"))
+        _one_of("algo", "behav_imp_weight_mode", self.behav_imp_weight_mode, ("mask", "clamp"))
+        _one_of("algo", "loss_agg", self.loss_agg, ("token_mean", "seq_mean_token_mean"))
+        _one_of("algo", "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _positive("algo", "eps_clip", self.eps_clip)
+        _positive("algo", "eps_clip_high", self.eps_clip_high)
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ConfigError(f"algo.dual_clip: must be > 1 (or 0 for off), got {self.dual_clip!r}")
+
+
+@dataclass
+class RolloutConfig:
+    """The asynchronous rollout controller."""
+
+    batch_size: int = knob(8, "Prompts (groups) per RL step: B in the staleness rule.")
+    n_samples: int = knob(4, "Answers sampled per prompt (group size).")
+    max_staleness: int = knob(2, "Staleness bound eta: a trained sample lags at most this many versions (0: synchronous).")
+    max_concurrent: int = knob(32, "Most prompts in flight at once across all servers.")
+    workflow: str = knob("single_turn", "Rollout workflow: single_turn or multi_turn.")
+    filter_all_equal: bool = knob(False, "Dynamic sampling: drop groups whose rewards are all equal.")
+
+    def __post_init__(self) -> None:
+        _positive("rollout", "batch_size", self.batch_size)
+        _positive("rollout", "n_samples", self.n_samples)
+        _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
+        _positive("rollout", "max_concurrent", self.max_concurrent)
+        _one_of("rollout", "workflow", self.workflow, ("single_turn", "multi_turn"))
+
+
+@dataclass
+class GenerateConfig:
+    """Generation servers and sampling."""
+
+    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU) or sglang (GPU).")
+    num_servers: int = knob(1, "Generation servers to start.")
+    host: str = knob("127.0.0.1", "Address the servers bind to.")
+    max_new_tokens: int = knob(64, "Most tokens generated per answer.")
+    temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
+    top_p: float = knob(1.0, "Nucleus sampling threshold.")
+    top_k: int = knob(-1, "Top-k sampling (-1: off).")
+    pause_mode: str = knob("abort", "How a weight update pauses generation: abort, retract or in_place.")
+    weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
+    request_timeout: float = knob(600.0, "Seconds before a generation request is given up and retried.")
+
+    def __post_init__(self) -> None:
+        _one_of("generate", "backend", self.backend, ("embedded", "sglang"))
+        _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
+        _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
+        _positive("generate", "num_servers", self.num_servers)
+        _positive("generate", "max_new_tokens", self.max_new_tokens)
+        _positive("generate", "temperature", self.temperature)
+
+
+@dataclass
+class DataConfig:
+    """The prompt dataset."""
+
+    source: str = knob("gym:basic_arithmetic", "JSONL/Parquet path, or gym:<task> for a reasoning-gym generator.")
+    size: int = knob(2048, "Number of procedural samples (gym sources only).")
+    shuffle: bool = knob(True, "Shuffle deterministically each epoch (seeded by run.seed).")
+    max_prompt_tokens: int = knob(256, "Prompts longer than this are skipped and counted.")
+
+
+@dataclass
+class RewardConfig:
+    """How answers are scored."""
+
+    kind: str = knob("math", "Reward function: math (answer equivalence) or code (tests in a sandbox).")
+    timeout: float = knob(5.0, "Seconds one check may take before it scores 0.")
+    workers: int = knob(2, "Processes in the reward pool.")
+    max_answer_chars: int = knob(2000, "Longer answers are refused (score 0) before parsing.")
+
+    def __post_init__(self) -> None:
+        _one_of("reward", "kind", self.kind, ("math", "code"))
+        _positive("reward", "timeout", self.timeout)
+        _positive("reward", "workers", self.workers)
+
+
+@dataclass
+class Config:
+    """The root of the tree: one section per subsystem."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+# --------------------------------------------------------------------------- schema walking
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the tree, e.g. ``rollout.max_staleness``."""
+    keys = []
+    for name, tp in _field_types(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, key + "."))
+        else:
+            keys.append(key)
+    return keys
+
+
+def _lookup_type(key: str, cls: type = Config) -> Any:
+    """The annotated type of a dotted key, or None when the key is not in the schema."""
+    tp: Any = cls
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        hints = _field_types(tp)
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(key, type name, default, help) for every knob: the config reference."""
+    rows = []
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((key, getattr(tp, "__name__", str(tp)), default, f.metadata.get("help", "")))
+    return rows
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _unknown_key_error(full_key: str) -> ConfigError:
+    candidates = all_keys()
+    close = difflib.get_close_matches(full_key, candidates, n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under a correct section: match on the leaf name
+        leaf = full_key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in candidates}
+        hit = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.5)
+        close = [leaves[hit[0]]] if hit else []
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{full_key}'{hint}")
+
+
+def _translate(exc: OmegaConfBaseException, origin: str) -> ConfigError:
+    """One line naming the key and what was wrong, from an OmegaConf exception."""
+    full_key = getattr(exc, "full_key", "") or ""
+    if isinstance(exc, ConfigKeyError) or "not in struct" in str(exc) or "Key '" in str(exc) and "not in" in str(exc):
+        return _unknown_key_error(full_key or str(exc))
+    if isinstance(exc, ValidationError):
+        tp = _lookup_type(full_key)
+        expected = getattr(tp, "__name__", str(tp)) if tp is not None else "a valid value"
+        value = getattr(exc, "msg", str(exc)).split("'")[1] if "'" in str(exc) else "?"
+        return ConfigError(f"{origin}: {full_key}: expected {expected}, got {value!r}")
+    return ConfigError(f"{origin}: {full_key or 'config'}: {str(exc).splitlines()[0]}")
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"config path is a directory, expected a YAML file: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=3"`` -> ``("a.b", 3)``; values are parsed as YAML scalars/lists."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"bad override '{text}': expected key=value, e.g. rollout.max_staleness=4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"bad override '{text}': value is not valid YAML") from None
+    return key, value
+
+
+def _merge(base: DictConfig, data: dict[str, Any], origin: str) -> DictConfig:
+    try:
+        return typing.cast(DictConfig, OmegaConf.merge(base, data))
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, origin) from None
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML recipe at ``path`` <- dotted ``overrides``; validated and typed."""
+    cfg = OmegaConf.structured(Config)
+    if path:
+        cfg = _merge(cfg, _read_yaml(path), path)
+    for text in overrides:
+        key, value = parse_override(text)
+        if _lookup_type(key) is None:
+            raise _unknown_key_error(key)
+        if dataclasses.is_dataclass(_lookup_type(key)):
+            raise ConfigError(f"override '{text}': '{key}' is a section; set one of its keys instead")
+        nested: dict[str, Any] = {}
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        cfg = _merge(cfg, nested, "override")
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, path or "config") from None
+    return typing.cast(Config, obj)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (loadable again by :func:`load_config`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, run_dir: str) -> str:
+    """Write ``<run_dir>/config.yaml`` (atomically) and return its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def run_dir(cfg: Config) -> str:
+    """The directory that holds this run's outputs."""
+    return os.path.join(cfg.run.output_dir, cfg.run.name)

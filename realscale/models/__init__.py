@@ -1,0 +1,1 @@
+"""Model families realscale knows (Qwen2, Qwen3, Llama) and locally built tiny models."""

@@ -1,0 +1,204 @@
+"""Tiny models built locally: no model hub is needed to run, test or benchmark realscale.
+
+:func:`build_tiny_model` writes a complete Hugging Face model directory: ``config.json``
+(a real ``Qwen2Config`` / ``Qwen3Config`` / ``LlamaConfig``), ``model.safetensors`` with
+seeded random weights, and a tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``, byte-level: one token per ASCII character) that
+``AutoTokenizer.from_pretrained`` loads offline.
+
+:func:`resolve_model_path` turns a built-in name (``tiny-qwen2``, ``tiny-qwen3``,
+``tiny-llama``, ``small-qwen2``) into such a directory, built once into a cache
+(``$REALSCALE_CACHE/models/<name>``, default ``~/.cache/realscale/models/<name>``); an
+existing directory is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<unk>")
+
+# ChatML, the format Qwen models use; Llama-family tiny models share it because the
+# tokenizer is ours anyway.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Built-in names -> build_tiny_model keyword arguments. ``small-qwen2`` (~5M parameters) is
+# the benchmark model; the others are for tests (a few hundred thousand parameters).
+BUILTIN: dict[str, dict[str, Any]] = {
+    "tiny-qwen2": {"family": "qwen2"},
+    "tiny-qwen3": {"family": "qwen3"},
+    "tiny-llama": {"family": "llama"},
+    "small-qwen2": {"family": "qwen2", "hidden_size": 256, "num_layers": 6, "num_heads": 8,
+                    "num_kv_heads": 2, "intermediate_size": 768},
+}
+
+# Bump when the built files change in a way a cached copy must not survive.
+_BUILD_FORMAT = 2
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 printable stand-ins for bytes 0..255 used by byte-level BPE (GPT-2's map).
+
+    Bytes that are printable Latin-1 stand for themselves; the others (control bytes,
+    space, ...) are shifted to code points from 256 up, e.g. space -> "Ġ".
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shifted = 0
+    table = {}
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return [table[b] for b in range(256)]
+
+
+def build_tokenizer(out_dir: str) -> Any:
+    """Write a byte-level, one-token-per-byte tokenizer to ``out_dir`` and return it.
+
+    Every ASCII character is one token (any other text is its UTF-8 bytes). It is BPE
+    with an empty merge list over the byte-level alphabet, which is what transformers'
+    own Qwen2Tokenizer rebuilds from the files (AutoTokenizer ignores a Qwen2 model's
+    tokenizer pipeline and reconstructs it), so every family loads the same tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in byte_alphabet():
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token="<unk>",
+        bos_token=None, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=4096, clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def make_config(family: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                num_kv_heads: int, intermediate_size: int, tie_embeddings: bool, eos_id: int) -> Any:
+    """The transformers config object of a tiny model of ``family``."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=4096,
+        tie_word_embeddings=tie_embeddings, eos_token_id=eos_id, pad_token_id=eos_id,
+        bos_token_id=eos_id, rms_norm_eps=1e-6,
+    )
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    if family == "qwen3":
+        common["head_dim"] = hidden_size // num_heads
+    return cls(**common)
+
+
+def build_tiny_model(out_dir: str, family: str = "qwen2", hidden_size: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                     tie_embeddings: bool | None = None, seed: int = 0) -> str:
+    """Write a tiny HF model directory (config, seeded weights, tokenizer); return its path.
+
+    ``tie_embeddings`` defaults to the family's habit for small models (Qwen ties, Llama
+    does not). The vocabulary is the tokenizer's, rounded up to a multiple of 8.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    if tie_embeddings is None:
+        tie_embeddings = family != "llama"
+    config = make_config(family, _round_up(len(tok), 8), hidden_size, num_layers, num_heads, num_kv_heads,
+                         intermediate_size, tie_embeddings, tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The default init (std 0.02) makes every token nearly equally likely; a wider
+    # embedding gives sampled text some structure, which makes tests more telling.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(out_dir)
+    return out_dir
+
+
+def cache_root() -> str:
+    """Where built-in models are cached: ``$REALSCALE_CACHE/models`` or ``~/.cache/realscale/models``."""
+    base = os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
+    return os.path.join(base, "models")
+
+
+def _spec_stamp(name: str) -> dict[str, Any]:
+    return {"name": name, "format": _BUILD_FORMAT, "kwargs": BUILTIN[name]}
+
+
+def _is_complete(path: str, name: str) -> bool:
+    stamp = os.path.join(path, "realscale_tiny.json")
+    if not os.path.isfile(stamp):
+        return False
+    with open(stamp, encoding="utf-8") as fh:
+        return json.load(fh) == _spec_stamp(name)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A model directory for a built-in tiny-model name or an existing HF directory.
+
+    Built-in models are built once per cache; concurrent callers are safe because each
+    builds into its own temporary directory and renames it into place (the loser of a
+    race discards its copy).
+    """
+    if name_or_path in BUILTIN:
+        target = os.path.join(cache_root(), name_or_path)
+        if _is_complete(target, name_or_path):
+            return target
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name_or_path}.", dir=cache_root())
+        try:
+            build_tiny_model(tmp, **BUILTIN[name_or_path])
+            with open(os.path.join(tmp, "realscale_tiny.json"), "w", encoding="utf-8") as fh:
+                json.dump(_spec_stamp(name_or_path), fh)
+            if os.path.isdir(target) and not _is_complete(target, name_or_path):
+                shutil.rmtree(target, ignore_errors=True)  # stale format: rebuild
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not _is_complete(target, name_or_path):  # lost a race to a broken copy
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise ValueError(f"model directory {name_or_path!r} has no config.json")
+        return name_or_path
+    raise ValueError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
+                     f"({', '.join(BUILTIN)})")

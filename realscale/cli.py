@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("realscale.commands.config", "show, check or document the configuration (recipe + overrides)"),
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
+    "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
 }
 
 

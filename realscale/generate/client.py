@@ -1,0 +1,292 @@
+"""The inference client: one async client for SGLang servers and the embedded server.
+
+- pooled aiohttp connections, per-request timeouts, retries with exponential back-off;
+- least-load routing: each request goes to the healthy server with the fewest requests
+  this client has in flight there;
+- a server that refuses connections or times out is taken out of rotation, its requests
+  are re-sent elsewhere, and a background health check brings it back when ``/health``
+  answers again;
+- :meth:`InferenceClient.generate` handles interruption itself: a response with
+  ``finish_reason.type == "abort"`` (a pause for a weight update) is resubmitted as
+  prompt + partial output with the remaining token budget, and tokens, log-probs and
+  per-token policy versions are stitched into one :class:`GenerateResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from typing import Any, Iterable
+
+import aiohttp
+
+from realscale.generate.protocol import expand_spans
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error (HTTP 4xx/5xx) that retrying will not fix."""
+
+
+class NoServerError(RuntimeError):
+    """Every server is out of rotation."""
+
+
+def parse_version(v: Any) -> Any:
+    """Weight versions travel as strings (SGLang); numeric ones come back as ints."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """A finished generation, stitched across interruptions."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[Any]  # the policy version that produced each output token
+    finish_reason: dict[str, Any]
+    text: str = ""
+    num_interruptions: int = 0
+    num_resends: int = 0  # re-sent after a server failure
+    latency: float = 0.0
+
+
+@dataclasses.dataclass
+class _Server:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = 0
+
+
+class InferenceClient:
+    """Talks to N generation servers (``http://host:port``)."""
+
+    def __init__(self, urls: Iterable[str], *, request_timeout: float = 600.0, connect_timeout: float = 5.0,
+                 max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
+                 max_interruptions: int = 100, pool_size: int = 256) -> None:
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        if not self.servers:
+            raise ValueError("InferenceClient needs at least one server URL")
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.health_interval = health_interval
+        self.max_interruptions = max_interruptions
+        self.pool_size = pool_size
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "InferenceClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._session is None:
+            conn = aiohttp.TCPConnector(limit=self.pool_size, limit_per_host=self.pool_size)
+            self._session = aiohttp.ClientSession(connector=conn)
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("InferenceClient is not started: use 'async with' or await start()")
+        return self._session
+
+    # ------------------------------------------------------------------ transport
+
+    async def _request(self, server: _Server, method: str, path: str, body: Any = None,
+                       timeout: float | None = None) -> Any:
+        """One HTTP call; connection failures and 5xx raise ``aiohttp.ClientError``/``TimeoutError``."""
+        t = aiohttp.ClientTimeout(total=timeout or self.request_timeout, sock_connect=self.connect_timeout)
+        async with self.session.request(method, server.url + path, json=body, timeout=t) as resp:
+            raw = await resp.read()
+            if resp.status >= 500:
+                raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
+                                                  message=raw.decode(errors="replace")[:200])
+            if resp.status >= 400:
+                raise ServerError(f"{server.url}{path}: HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
+            if not raw:
+                return None
+            try:
+                return await resp.json(content_type=None)
+            except ValueError:
+                return raw.decode(errors="replace")
+
+    def _pick(self, avoid: set[str]) -> _Server:
+        healthy = [s for s in self.servers if s.healthy and s.url not in avoid]
+        if not healthy:
+            healthy = [s for s in self.servers if s.healthy]
+        if not healthy:
+            raise NoServerError(f"no healthy server among {[s.url for s in self.servers]}")
+        least = min(s.in_flight for s in healthy)
+        return random.choice([s for s in healthy if s.in_flight == least])
+
+    def _mark_down(self, server: _Server, exc: BaseException) -> None:
+        if server.healthy:
+            log.warning("server %s taken out of rotation: %r", server.url, exc)
+        server.healthy = False
+        server.failures += 1
+
+    async def _routed(self, path: str, body: Any) -> tuple[Any, int]:
+        """POST to the least-loaded server; on failure re-send elsewhere. Returns (reply, resends)."""
+        avoid: set[str] = set()
+        for attempt in range(self.max_retries + 1):
+            try:
+                server = self._pick(avoid)
+            except NoServerError:
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+                continue
+            server.in_flight += 1
+            try:
+                return await self._request(server, "POST", path, body), attempt
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                self._mark_down(server, exc)
+                avoid.add(server.url)
+                await asyncio.sleep(self.backoff * 2 ** attempt * random.uniform(0.5, 1.0))
+            finally:
+                server.in_flight -= 1
+        raise NoServerError(f"{path}: gave up after {self.max_retries + 1} attempts")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            for server in [s for s in self.servers if not s.healthy]:
+                if await self._probe(server):
+                    log.info("server %s back in rotation", server.url)
+                    server.healthy = True
+
+    async def _probe(self, server: _Server) -> bool:
+        try:
+            await self._request(server, "GET", "/health", timeout=min(5.0, self.request_timeout))
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ServerError):
+            return False
+
+    async def _broadcast(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> list[Any]:
+        """Send to every healthy server at once; the first error is raised."""
+        targets = [s for s in self.servers if s.healthy]
+        return list(await asyncio.gather(*(self._request(s, method, path, body, timeout) for s in targets)))
+
+    # ------------------------------------------------------------------ API
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
+                       rid: str | None = None) -> GenerateResult:
+        """Generate to completion, resubmitting after pauses; stitched result."""
+        params = dict(sampling_params or {})
+        budget = int(params.get("max_new_tokens", 128))
+        start = time.monotonic()
+        rid = rid or uuid.uuid4().hex
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        out_versions: list[Any] = []
+        interruptions = resends = 0
+        text = ""
+        while True:
+            params["max_new_tokens"] = budget - len(out_ids)
+            body = {"input_ids": list(input_ids) + out_ids, "sampling_params": params, "return_logprob": True,
+                    "rid": f"{rid}-{interruptions}-{resends}"}
+            reply, tries = await self._routed("/generate", body)
+            resends += tries
+            meta = reply["meta_info"]
+            ids = list(reply["output_ids"])
+            text += reply.get("text") or ""
+            out_ids += ids
+            out_lps += [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+            current = parse_version(meta.get("weight_version"))
+            out_versions += [parse_version(v) for v in expand_spans(meta.get("weight_versions"), len(ids), current)]
+            reason = meta["finish_reason"] or {"type": "abort"}
+            if reason.get("type") != "abort" or len(out_ids) >= budget:
+                break
+            interruptions += 1
+            if interruptions > self.max_interruptions:
+                raise ServerError(f"request {rid} was interrupted {interruptions} times; giving up")
+        if len(out_ids) >= budget and reason.get("type") == "abort":
+            reason = {"type": "length", "length": budget}
+        return GenerateResult(input_ids=list(input_ids), output_ids=out_ids, output_logprobs=out_lps,
+                              output_versions=out_versions, finish_reason=reason, text=text,
+                              num_interruptions=interruptions, num_resends=resends,
+                              latency=time.monotonic() - start)
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._broadcast("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._broadcast("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, path: str, weight_version: Any = None) -> list[Any]:
+        body: dict[str, Any] = {"model_path": path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._broadcast("POST", "/update_weights_from_disk", body)
+
+    async def init_weights_update_group(self, sender: Any) -> None:
+        """Join every server to ``sender``'s group (ranks 1..N) while the sender hosts rank 0."""
+        loop = asyncio.get_running_loop()
+        targets = [s for s in self.servers if s.healthy]
+        if sender.world_size != len(targets) + 1:
+            raise ValueError(f"sender.world_size={sender.world_size}, but {len(targets)} servers + 1 trainer rank")
+        posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(i + 1))
+                 for i, s in enumerate(targets)]
+        await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
+
+    async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],
+                             weight_version: Any = None) -> int:
+        """Stream ``buckets`` through ``sender`` into every server; returns bytes sent.
+
+        The version is set with the last bucket, so tokens are never tagged with a
+        version whose weights have only partly arrived.
+        """
+        from realscale.generate.weight_sync import bucket_meta
+
+        loop = asyncio.get_running_loop()
+        targets = [s for s in self.servers if s.healthy]
+        it = iter(buckets)
+        bucket = next(it, None)
+        sent = 0
+        while bucket is not None:
+            following = next(it, None)
+            body: dict[str, Any] = {**bucket_meta(bucket), "group_name": sender.group_name}
+            if following is None and weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            posts = [self._request(s, "POST", "/update_weights_from_distributed", body) for s in targets]
+            results = await asyncio.gather(loop.run_in_executor(None, sender.broadcast_bucket, bucket), *posts)
+            sent += results[0]
+            bucket = following
+        return sent
+
+    async def health(self) -> dict[str, bool]:
+        """Probe every server now; updates rotation; returns ``{url: healthy}``."""
+        oks = await asyncio.gather(*(self._probe(s) for s in self.servers))
+        for s, ok in zip(self.servers, oks):
+            s.healthy = ok
+        return {s.url: s.healthy for s in self.servers}

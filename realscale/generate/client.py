@@ -230,8 +230,8 @@ class InferenceClient:
             interruptions += 1
             if interruptions > self.max_interruptions:
                 raise ServerError(f"request {rid} was interrupted {interruptions} times; giving up")
-        if len(out_ids) >= budget and reason.get("type") == "abort":
-            reason = {"type": "length", "length": budget}
+        if len(out_ids) >= budget and reason.get("type") in ("abort", "length"):
+            reason = {"type": "length", "length": budget}  # the whole budget, not the last segment's
         return GenerateResult(input_ids=list(input_ids), output_ids=out_ids, output_logprobs=out_lps,
                               output_versions=out_versions, finish_reason=reason, text=text,
                               num_interruptions=interruptions, num_resends=resends,

@@ -2,7 +2,7 @@
 
 GRPO (Shao et al., arXiv 2402.03300): ``A_i = (r_i - mean_g) / (std_g + eps)``, with the
 std optional (Dr. GRPO, arXiv 2503.20783, drops it). The std is the unbiased (n-1) one,
-as verl and TRL compute it; a group of one has advantage 0.
+as verl and TRL compute it; a group of one, or of equal rewards, has advantage 0.
 
 Leave-one-out (Ahmadian et al., arXiv 2402.14740): ``A_i = r_i - mean_{j != i} r_j``,
 which equals ``n/(n-1) * (r_i - mean_g)``.
@@ -57,7 +57,8 @@ def grpo_advantages(rewards: Tensor, group_size: int | None = None, *, cu_groups
     mean, std, _ = _group_mean_and_std(rewards, cu)
     adv = rewards.double() - mean
     if std_norm:
-        adv = adv / (std + eps)
+        # A group with equal rewards (std 0) teaches nothing: exactly 0, not 0/0 or noise/eps.
+        adv = torch.where(std > 0, adv / (std + eps), 0.0)
     return adv.to(rewards.dtype)
 
 

@@ -19,11 +19,11 @@ _NUMBER = re.compile(r"[-−]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?(?:\\?%
 _INLINE_MATH = re.compile(r"\$\$?([^$]+)\$\$?|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 
 
-def matching_brace(text: str, open_at: int) -> int:
-    """Index of the ``}`` closing the ``{`` at ``open_at``, or -1 when it never closes."""
+def matching_brace(text: str, open_at: int, stop: int | None = None) -> int:
+    """Index of the ``}`` closing the ``{`` at ``open_at`` (searching before ``stop``), or -1."""
     depth = 0
     i = open_at
-    n = len(text)
+    n = len(text) if stop is None else stop
     while i < n:
         ch = text[i]
         if ch == "\\":  # an escaped character (\{, \}, \\) is never structure
@@ -39,15 +39,15 @@ def matching_brace(text: str, open_at: int) -> int:
     return -1
 
 
-def _box_content(text: str, start: int, command: str) -> str | None:
-    """The argument of the box command at ``start``: ``{...}`` or a bare token."""
+def _box_content(text: str, start: int, command: str, stop: int) -> str | None:
+    """The argument of the box command at ``start``: ``{...}`` closing before ``stop``, or a bare token."""
     i = start + len(command)
     while i < len(text) and text[i] == " ":
         i += 1
     if i >= len(text):
         return None
     if text[i] == "{":
-        end = matching_brace(text, i)
+        end = matching_brace(text, i, stop)
         return text[i + 1 : end] if end != -1 else None
     if start + len(command) == i:  # "\boxedx" is another command, not a box
         return None
@@ -57,14 +57,20 @@ def _box_content(text: str, start: int, command: str) -> str | None:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last complete ``\\boxed{}``/``\\fbox{}`` in ``text``, else None."""
-    positions = sorted(((text.rfind(c), c) for c in _BOX_COMMANDS), reverse=True)
-    for pos, command in positions:
-        while pos != -1:
-            content = _box_content(text, pos, command)
-            if content is not None:
-                return content.strip()
-            pos = text.rfind(command, 0, pos)  # truncated box: try an earlier one
-    return None
+    # Walk the boxes from the last to the first. When a box never closes, an earlier box
+    # can only close before that one starts (else it would contain the unclosed brace), so
+    # each scan stops there; with each command's last position remembered, the walk is linear.
+    stop = len(text)
+    found = {c: text.rfind(c) for c in _BOX_COMMANDS}
+    while True:
+        pos, command = max((p, c) for c, p in found.items())
+        if pos == -1:
+            return None
+        content = _box_content(text, pos, command, stop)
+        if content is not None:
+            return content.strip()
+        stop = pos
+        found[command] = text.rfind(command, 0, pos)
 
 
 def _first_math_or_sentence(tail: str) -> str:

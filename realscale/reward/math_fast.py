@@ -139,6 +139,8 @@ def parse_plain(answer: str) -> Num | None:
 def fast_equal(gold: Num, pred: Num) -> bool | None:
     """math-verify's verdict on two plain numbers, or None when it can't be decided here."""
     any_pct = gold.is_pct or pred.is_pct
+    if _percent_of_same_number(gold, pred):
+        return True
     if gold.is_float or pred.is_float:
         a, b = gold.effective, pred.effective
         if a == b:
@@ -151,6 +153,14 @@ def fast_equal(gold: Num, pred: Num) -> bool | None:
     if gold.effective == pred.effective:
         return True
     return None if any_pct else False
+
+
+def _percent_of_same_number(gold: Num, pred: Num) -> bool:
+    """An answer "12.5%" to a reference "12.5": the question asked for a percentage.
+
+    math-verify accepts this for integers ("50%" vs "50") but not for decimals, because
+    its Float branch divides by 100 first; we accept both, the same way."""
+    return pred.is_pct and not gold.is_pct and pred.value == gold.value
 
 
 def fast_check(gold_answer: str, pred_answer: str) -> bool | None:

@@ -203,6 +203,10 @@ class GenerateConfig:
     pause_mode: str = knob("abort", "How a weight update pauses generation: abort, retract or in_place.")
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
     request_timeout: float = knob(600.0, "Seconds before a generation request is given up and retried.")
+    base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
+    max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
+    context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
+    mem_fraction_static: float = knob(0.8, "SGLang only: fraction of GPU memory for weights + KV cache.")
 
     def __post_init__(self) -> None:
         _one_of("generate", "backend", self.backend, ("embedded", "sglang"))

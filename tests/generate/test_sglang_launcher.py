@@ -1,0 +1,48 @@
+"""SGLang launcher: the command line everywhere; a real launch only on a GPU with SGLang."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from realscale.config import GenerateConfig
+from realscale.generate.sglang_launcher import launch_sglang, sglang_command
+
+
+def test_command_line() -> None:
+    cmd = sglang_command("/m", 30001, tp=2, context_length=4096, max_running_requests=64,
+                         mem_fraction_static=0.7, weight_version="3")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    args = [a for a in cmd[3:] if a != "--skip-server-warmup"]  # the one flag without a value
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert pairs["--model-path"] == "/m" and pairs["--port"] == "30001" and pairs["--tp-size"] == "2"
+    assert pairs["--context-length"] == "4096" and pairs["--max-running-requests"] == "64"
+    assert pairs["--mem-fraction-static"] == "0.7" and pairs["--weight-version"] == "3"
+    assert pairs["--host"] == "127.0.0.1" and "--skip-server-warmup" in cmd
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+def test_client_against_real_sglang(tmp_path) -> None:
+    """Not run on the CPU development machine (no CUDA, no SGLang)."""
+    from realscale.generate.client import InferenceClient
+    from realscale.models.tiny import resolve_model_path
+
+    path = resolve_model_path("small-qwen2")
+    servers = launch_sglang(GenerateConfig(), path, [[0]], str(tmp_path))
+    try:
+        async def main():
+            async with InferenceClient([url for url, _ in servers]) as client:
+                task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 64, "ignore_eos": True}))
+                await asyncio.sleep(0.2)
+                await client.pause("abort")
+                await client.update_weights_from_disk(path, weight_version=1)
+                await client.resume()
+                return await task
+        res = asyncio.run(main())
+        assert len(res.output_ids) == 64 == len(res.output_logprobs) == len(res.output_versions)
+    finally:
+        for _, proc in servers:
+            proc.kill()

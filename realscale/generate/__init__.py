@@ -1,0 +1,13 @@
+"""Generation: SGLang-protocol client, embedded generation server, SGLang launcher.
+
+- :mod:`~realscale.generate.client` ``InferenceClient``: async, many servers, failover,
+  interruption-aware ``generate()`` (stitched tokens, log-probs, per-token versions).
+- :mod:`~realscale.generate.server` ``EmbeddedServer``: SGLang's native HTTP API on an HF
+  model (``realscale serve``); :mod:`~realscale.generate.engine` is its continuous-batching
+  scheduler and :mod:`~realscale.generate.runner` its KV-slot forward pass.
+- :mod:`~realscale.generate.sampling`: sampling and the log-prob convention
+  (``LOGPROB_CONVENTION``, ``token_logprobs``) the trainer shares.
+- :mod:`~realscale.generate.weight_sync`: ``WeightSender``/``WeightReceiver``, bucketed
+  weight broadcast over a separate torch.distributed group (SGLang's protocol).
+- :mod:`~realscale.generate.sglang_launcher`: start real SGLang servers (GPU only).
+"""

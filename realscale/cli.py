@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("realscale.commands.config", "show, check or document the configuration (recipe + overrides)"),
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
+    "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
 }
 

@@ -20,6 +20,7 @@ first stage) and ``n_layers`` post-process (final norm, output head, last stage)
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -87,7 +88,7 @@ class ModelSpec:
             if not -1 <= t.layer <= self.n_layers:
                 raise LayoutError(f"model spec: tensor {t.name} has layer {t.layer} outside [-1, {self.n_layers}]")
 
-    @property
+    @functools.cached_property
     def n_params(self) -> int:
         return sum(t.numel for t in self.tensors)
 

@@ -1,0 +1,237 @@
+"""Cost model: time and memory per GPU of each role of an RL step under a layout.
+
+Roles (``kind``): ``generate`` (actor decoding, SGLang-style, dp x tp), ``train``
+(Megatron forward + backward + optimizer, including the forward that recomputes the
+proximal log-probs of decoupled PPO), ``infer`` (forward only: reference model, critic
+values, reward model).
+
+Compute: forward FLOPs per token are ``2 * matmul params + 2 * layers * q_dim * seq``
+(causal attention); backward is twice the forward. Divided by ``dp*tp*pp * peak * mfu``,
+inflated by ``1 + tp_overhead*(tp-1)`` (smaller GEMMs) and by the 1F1B pipeline bubble
+``1 + (pp-1)/m`` for ``m`` micro-batches. Decode is the slower of reading the weights and
+the KV cache from HBM and the matmul FLOPs, plus a fixed per-step overhead and two
+all-reduces per layer. Communication: tp all-reduces (ring, NVLink), pp activations
+(NVLink or IB when stages sit on different nodes), dp gradient reduce-scatter +
+all-gather (IB when the dp group spans nodes). Memory: bf16 weights, fp32 gradients,
+Adam + master weights sharded over dp (Megatron's distributed optimizer), activations
+(about ``34 * hidden`` bytes per token per layer, divided by tp with sequence
+parallelism; activation recompute is chosen when they would not fit), KV cache.
+
+How this departs from ReaL's estimator (arXiv 2406.14088, section 4.2): ReaL profiles
+each layer on the target GPUs and interpolates; we have no GPU cluster here, so the same
+terms come from FLOP and byte counts times the efficiency constants of
+:mod:`realscale.planner.hardware`, which are assumptions until calibrated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from realscale.parallel.mesh import LayoutError, Strategy
+from realscale.parallel.model_spec import ModelSpec
+from realscale.planner.hardware import GPU, Efficiency
+
+GB = 1e9
+HBM_RESERVE = 0.92          # fraction of HBM usable (allocator fragmentation, CUDA context)
+GEN_ACT_RESERVE_GB = 2.0    # generation activations / CUDA graphs outside the KV cache
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: ``batch`` prompts x ``n_samples`` answers."""
+
+    batch: int = 512
+    n_samples: int = 16
+    prompt_len: int = 1024
+    gen_len: int = 16384        # maximum answer length (the synchronous long tail)
+    mean_gen_len: int = 0       # mean answer length; 0 means gen_len / 2 (an assumption)
+    train_mb_tokens: int = 32768
+    minibatches: int = 4        # PPO optimizer steps per RL step
+    max_staleness: int = 4      # eta of the asynchronous mode (0: synchronous)
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "n_samples", "prompt_len", "gen_len", "train_mb_tokens", "minibatches"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"workload: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0 or self.mean_gen_len < 0 or self.mean_gen_len > self.gen_len:
+            raise LayoutError("workload: need max_staleness >= 0 and 0 <= mean_gen_len <= gen_len")
+
+    @property
+    def mean_gen(self) -> int:
+        return self.mean_gen_len or self.gen_len // 2
+
+    @property
+    def sequences(self) -> int:
+        return self.batch * self.n_samples
+
+    @property
+    def train_tokens(self) -> int:
+        return self.sequences * (self.prompt_len + self.mean_gen)
+
+
+@dataclass(frozen=True)
+class RoleCost:
+    """Time of one step of a role and its peak memory per GPU (``math.inf``: refused)."""
+
+    seconds: float
+    mem_gb: float
+    state_gb: float = 0.0   # optimizer/grad state that must be offloaded when others use the GPUs
+    note: str = ""
+
+
+def _matmul_params(spec: ModelSpec) -> float:
+    """Parameters that are multiplied per token: all but the embedding lookup (the head
+    is a matmul even when tied)."""
+    emb = spec.tensors[0].numel
+    return spec.n_params - emb + (emb if spec.meta.get("tie_embeddings") else 0)
+
+
+def _q_dim(spec: ModelSpec) -> int:
+    return spec.n_heads * int(spec.meta.get("head_dim", spec.hidden // max(1, spec.n_heads)))
+
+
+def fwd_flops_per_token(spec: ModelSpec, seq: float) -> float:
+    return 2.0 * _matmul_params(spec) + 2.0 * spec.n_layers * _q_dim(spec) * seq
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: int) -> float:
+    hd = int(spec.meta.get("head_dim", spec.hidden // max(1, spec.n_heads)))
+    return 2.0 * spec.n_layers * spec.n_kv_heads * hd * spec.itemsize / tp
+
+
+def _ring(nbytes: float, n: int, gbps: float, eff: Efficiency) -> float:
+    """All-reduce time of ``nbytes`` over ``n`` ranks (ring: 2 (n-1)/n of the data)."""
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / (gbps * GB * eff.link)
+
+
+def _spans_nodes(strategy: Strategy, axis_stride: int, axis_size: int, gpus_per_node: int) -> bool:
+    """Whether a parallel group (ranks ``axis_stride`` apart, ``axis_size`` of them) spans nodes."""
+    return axis_size > 1 and axis_stride * axis_size > gpus_per_node
+
+
+def _check_role(spec: ModelSpec, s: Strategy, gpu: GPU, gpus_per_node: int) -> None:
+    spec.check_strategy(s)
+    if s.tp > gpus_per_node:
+        raise LayoutError(f"tp={s.tp} exceeds the {gpus_per_node} GPUs of a node")
+
+
+def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,
+               gpus_per_node: int) -> RoleCost:
+    """Actor (or critic) training: prox-logp forward + forward/backward + optimizer."""
+    _check_role(spec, s, gpu, gpus_per_node)
+    seq = w.prompt_len + w.mean_gen
+    tokens_replica = w.train_tokens / s.dp
+    m = max(1, math.ceil(tokens_replica / (w.train_mb_tokens * w.minibatches)))  # micro-batches per minibatch
+    flops = 4.0 * fwd_flops_per_token(spec, seq) * w.train_tokens  # 1 prox fwd + fwd + 2x bwd
+    compute = flops / (s.world * gpu.peak_tflops * 1e12 * eff.mfu_train) * (1 + eff.tp_overhead * (s.tp - 1))
+    compute *= 1 + (s.pp - 1) / m
+    layers_stage = math.ceil(spec.n_layers / s.pp)
+    act_bytes = tokens_replica * spec.hidden * spec.itemsize
+    tp_comm = 6 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
+    pp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp * s.dp, s.pp, gpus_per_node) else gpu.nvlink_gbps
+    pp_comm = 0.0 if s.pp == 1 else 3 * act_bytes / s.tp / (pp_bw * GB * eff.link)
+    stage_params = spec.n_params / s.pp / s.tp
+    dp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp, s.dp, gpus_per_node) else gpu.nvlink_gbps
+    dp_comm = w.minibatches * _ring(stage_params * 4, s.dp, dp_bw, eff)
+    # Memory: bf16 weights + fp32 grads + (fp32 master + Adam m, v) / dp.
+    state = stage_params * (2 + 4 + 12 / s.dp)
+    mb_in_flight = min(s.pp, m)
+    acts = 34 * spec.hidden * w.train_mb_tokens * layers_stage * mb_in_flight / s.tp
+    logits = 4.0 * w.train_mb_tokens * spec.vocab / s.tp
+    usable = gpu.hbm_gb * GB * HBM_RESERVE
+    note = ""
+    if state + acts + logits > usable:
+        acts = 2 * spec.hidden * w.train_mb_tokens * layers_stage * mb_in_flight / s.tp * spec.itemsize
+        compute *= eff.recompute_cost
+        note = "recompute"
+    mem = state + acts + logits
+    if mem > usable:
+        return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
+    return RoleCost(compute + tp_comm + pp_comm + dp_comm, mem / GB, (stage_params * (4 + 12 / s.dp)) / GB, note)
+
+
+def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,
+               gpus_per_node: int) -> RoleCost:
+    """Forward-only pass over the batch (reference log-probs, critic values, rewards)."""
+    _check_role(spec, s, gpu, gpus_per_node)
+    seq = w.prompt_len + w.mean_gen
+    tokens_replica = w.train_tokens / s.dp
+    m = max(1, math.ceil(tokens_replica / (2 * w.train_mb_tokens)))
+    flops = fwd_flops_per_token(spec, seq) * w.train_tokens
+    compute = flops / (s.world * gpu.peak_tflops * 1e12 * eff.mfu_prefill) * (1 + eff.tp_overhead * (s.tp - 1))
+    compute *= 1 + (s.pp - 1) / m
+    layers_stage = math.ceil(spec.n_layers / s.pp)
+    act_bytes = tokens_replica * spec.hidden * spec.itemsize
+    tp_comm = 2 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
+    pp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp * s.dp, s.pp, gpus_per_node) else gpu.nvlink_gbps
+    pp_comm = 0.0 if s.pp == 1 else act_bytes / s.tp / (pp_bw * GB * eff.link)
+    weights = spec.n_params / s.pp / s.tp * spec.itemsize
+    mem = weights + 4 * spec.hidden * 2 * w.train_mb_tokens * spec.itemsize / s.tp \
+        + 4.0 * 2 * w.train_mb_tokens * spec.vocab / s.tp
+    if mem > gpu.hbm_gb * GB * HBM_RESERVE:
+        return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
+    return RoleCost(compute + tp_comm + pp_comm, mem / GB)
+
+
+def decode_step_seconds(spec: ModelSpec, tp: int, batch: float, ctx: float, gpu: GPU, eff: Efficiency) -> float:
+    """One decode step of ``batch`` sequences with mean context ``ctx`` on a tp group."""
+    read = spec.n_params * spec.itemsize / tp + batch * ctx * kv_bytes_per_token(spec, tp)
+    t_mem = read / (gpu.hbm_tbps * 1e12 * eff.hbm_decode)
+    t_flops = batch * fwd_flops_per_token(spec, ctx) / tp / (gpu.peak_tflops * 1e12 * eff.mfu_decode)
+    t_comm = 0.0
+    if tp > 1:
+        t_comm = 2 * spec.n_layers * (eff.collective_latency_s
+                                      + _ring(batch * spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff))
+    return max(t_mem, t_flops) + t_comm + eff.decode_step_overhead_s
+
+
+def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,
+                  gpus_per_node: int, asynchronous: bool) -> RoleCost:
+    """Generating ``batch x n_samples`` answers on ``dp`` servers of ``tp`` GPUs each.
+
+    Synchronous: waves of as many sequences as the KV cache holds, each lasting the
+    longest answer (``gen_len`` steps). Asynchronous: continuous batching keeps the batch
+    full (up to ``(eta + 1)`` batches in flight) and only the mean length counts."""
+    _check_role(spec, s, gpu, gpus_per_node)
+    if s.pp != 1:
+        raise LayoutError(f"generation shards by dp x tp only (SGLang servers); pp={s.pp} is refused")
+    weights = spec.n_params * spec.itemsize / s.tp
+    kv_tok = kv_bytes_per_token(spec, s.tp)
+    free = gpu.hbm_gb * GB * HBM_RESERVE - weights - GEN_ACT_RESERVE_GB * GB
+    ctx_full = w.prompt_len + (w.mean_gen if asynchronous else w.gen_len)
+    max_batch = math.floor(free / (kv_tok * ctx_full)) if free > 0 else 0
+    if max_batch < 1:
+        return RoleCost(math.inf, weights / GB, 0.0, "weights + one sequence's KV cache exceed HBM")
+    per_server = w.sequences / s.dp
+    in_flight = per_server * ((w.max_staleness + 1) if asynchronous else 1)
+    b = max(1.0, min(float(max_batch), in_flight))
+    prefill = per_server * w.prompt_len * fwd_flops_per_token(spec, w.prompt_len) / s.tp \
+        / (gpu.peak_tflops * 1e12 * eff.mfu_prefill)
+    if asynchronous:
+        step = decode_step_seconds(spec, s.tp, b, w.prompt_len + w.mean_gen / 2, gpu, eff)
+        decode = per_server * w.mean_gen / b * step
+    else:
+        waves = math.ceil(per_server / b)
+        bw = min(b, per_server)
+        decode = waves * w.gen_len * decode_step_seconds(spec, s.tp, bw, w.prompt_len + w.gen_len / 2, gpu, eff)
+    mem = weights + b * ctx_full * kv_tok + GEN_ACT_RESERVE_GB * GB
+    return RoleCost(prefill + decode, mem / GB)
+
+
+def weight_sync_seconds(spec: ModelSpec, gen_tp: int, gen_overlap: float, train_shard_div: int,
+                        same_nodes: bool, gpu: GPU, eff: Efficiency) -> float:
+    """Estimated time to move the actor's weights from the training layout to the
+    generation layout, the slowest receiving GPU deciding.
+
+    ``gen_overlap`` is the fraction of generation GPUs that also train; such a GPU is
+    assumed to hold ``min(1, gen_tp / train_shard_div)`` of its shard (aligned shards: an
+    optimistic estimate; the final plan's bytes come exactly from ``plan_reshard``).
+    Disjoint meshes pay the pause/resume overhead of a server weight update."""
+    need = spec.n_params * spec.itemsize / gen_tp
+    held = min(1.0, gen_tp / train_shard_div) if gen_overlap >= 1.0 else 0.0
+    bw = gpu.nvlink_gbps if same_nodes else gpu.ib_gbps
+    t = need * (1.0 - held) / (bw * GB * eff.link)
+    return t + (0.0 if gen_overlap > 0 else eff.weight_update_overhead_s)

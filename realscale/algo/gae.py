@@ -105,14 +105,13 @@ def gae_torch(rewards: Tensor, values: Tensor, cu_seqlens: Tensor, gamma: float,
     longest = int(lengths.max()) if b else 0
     step = 1
     while step < longest and gamma * lam != 0.0:
-        # A_t += C_t * A_{t+step}; C_t *= C_{t+step}. Beyond the end of the pack C_t is
-        # already 0 (the last sequence's final c), so those slots need no update.
-        new_adv = adv.clone()
-        new_adv[:-step] += coef[:-step] * adv[step:]
-        new_coef = coef.clone()
-        new_coef[:-step] *= coef[step:]
-        new_coef[max(n - step, 0):] = 0.0
-        adv, coef = new_adv, new_coef
+        # A_t += C_t * A_{t+step}; C_t *= C_{t+step}. The products go to fresh tensors
+        # first because the slices overlap. Beyond the end of the pack C_t is already 0
+        # (it includes the last sequence's final c), so those slots need no update.
+        adv[:-step] += coef[:-step] * adv[step:]
+        if 2 * step < longest:  # the last round's C is never read
+            coef[:-step] = coef[:-step] * coef[step:]
+            coef[max(n - step, 0):] = 0.0
         step *= 2
     ret = adv + v
     if mask is None:

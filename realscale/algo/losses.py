@@ -29,10 +29,13 @@ Choices and where they come from:
   summing micro-batch losses (and their gradients) gives exactly the batch mean.
   Left out, it is this call's own count.
 
-Speed: the forward pass computes the per-token gradient alongside the loss (it is
-elementwise: ``-A r`` where the unclipped branch is active, else 0) and the backward
-pass is one multiply, instead of autograd replaying ~15 saved elementwise ops. See
-benchmarks/bench_ppo_loss.py.
+Speed: on the CPU the surrogate runs through csrc/ppo_loss.cpp, which reads each token
+once and produces the loss, the per-token gradient and the statistics together; the
+backward pass is one multiply. Elsewhere (GPU, or no build) the torch path does the same
+maths in elementwise ops, and still computes the gradient in the forward pass (it is
+elementwise: ``-A r`` where the unclipped branch is active, else 0) rather than having
+autograd replay ~15 saved ops. The two paths agree (tests/algo/test_losses.py); see
+benchmarks/bench_ppo_loss.py for the timings.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from realscale import kernels
 from realscale.algo.kl import ESTIMATORS, kl_penalty
 from realscale.algo.packed import check_1d, check_cu_seqlens, check_same_device, seq_ids, segment_sum
 
@@ -205,28 +209,93 @@ def ppo_loss(logp: Tensor, logp_behav: Tensor, advantages: Tensor, loss_mask: Te
     valid = loss_mask.to(torch.bool)
     behav = logp_behav.detach().to(dtype)
     adv = advantages.detach().to(dtype)
-    coef = _token_coef(valid, agg, cu_seqlens, normalizer, dtype)
-    if logp_prox is None:
-        prox, pg_coef = behav, coef
-        w = capped = None
+    prox = behav if logp_prox is None else logp_prox.detach().to(dtype)
+    mod = kernels.load("ppo_loss") if logp.device.type == "cpu" else None
+    if mod is not None:
+        pg_loss, stats = _fused_surrogate(mod, logp, prox, None if logp_prox is None else behav, adv, valid, agg,
+                                          cu_seqlens, normalizer, eps_clip, eps_high, dual_clip, imp_weight_cap,
+                                          imp_weight_mode)
     else:
-        prox = logp_prox.detach().to(dtype)
-        w, capped = _behav_weight(prox, behav, valid, imp_weight_cap, imp_weight_mode)
+        pg_loss, stats = _torch_surrogate(logp, prox, None if logp_prox is None else behav, adv, valid, agg,
+                                          cu_seqlens, normalizer, eps_clip, eps_high, dual_clip, imp_weight_cap,
+                                          imp_weight_mode)
+    loss = pg_loss
+    if kl_coef > 0:
+        # Same aggregation as the surrogate, not weighted by w.
+        coef = _token_coef(valid, agg, cu_seqlens, normalizer, dtype)
+        kl = torch.dot(coef, torch.where(valid, kl_penalty(logp, logp_ref, kl_estimator), 0.0))  # type: ignore[arg-type]
+        loss = loss + kl_coef * kl
+        stats["kl"] = kl.detach()
+    return loss, stats
+
+
+def _torch_surrogate(logp: Tensor, prox: Tensor, behav: Tensor | None, adv: Tensor, valid: Tensor, agg: str,
+                     cu_seqlens: Tensor | None, normalizer: float | Tensor | None, eps_clip: float,
+                     eps_high: float, dual_clip: float, cap: float, mode: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """The surrogate in torch ops (any device): the reference for the fused CPU kernel."""
+    coef = _token_coef(valid, agg, cu_seqlens, normalizer, logp.dtype)
+    if behav is None:
+        pg_coef, w, capped = coef, None, None
+    else:
+        w, capped = _behav_weight(prox, behav, valid, cap, mode)
         pg_coef = coef * w
     pg_loss, ratio, active, dual_hit = _ClippedSurrogate.apply(
         logp, prox, adv, pg_coef, valid, 1.0 - eps_clip, 1.0 + eps_high, float(dual_clip))
-    loss = pg_loss
-    kl = None
-    if kl_coef > 0:
-        kl = torch.dot(coef, torch.where(valid, kl_penalty(logp, logp_ref, kl_estimator), 0.0))  # type: ignore[arg-type]
-        loss = loss + kl_coef * kl
-    return loss, _loss_stats(logp, prox, behav, valid, ratio, active, dual_hit, w, capped, pg_loss, kl)
+    behav_ = prox if behav is None else behav
+    return pg_loss, _loss_stats(logp, prox, behav_, valid, ratio, active, dual_hit, w, capped, pg_loss)
+
+
+class _FusedSurrogate(torch.autograd.Function):
+    """The surrogate through csrc/ppo_loss.cpp: one pass gives loss, gradient and statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, logp: Tensor, mod: Any, args: tuple) -> tuple[Tensor, Tensor]:
+        grad, sums = mod.ppo_loss_fwd(logp.detach(), *args)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(sums)
+        return sums[0].to(logp.dtype), sums
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, _: Any) -> tuple[Tensor | None, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None
+
+
+# Positions in the kernel's statistics vector (csrc/ppo_loss.cpp, enum Stat).
+_LOSS, _VALID, _CLIPPED, _DUAL, _RATIO, _AKL, _W, _CAPPED, _BKL = range(9)
+
+
+def _fused_surrogate(mod: Any, logp: Tensor, prox: Tensor, behav: Tensor | None, adv: Tensor, valid: Tensor,
+                     agg: str, cu_seqlens: Tensor | None, normalizer: float | Tensor | None, eps_clip: float,
+                     eps_high: float, dual_clip: float, cap: float, mode: str) -> tuple[Tensor, dict[str, Tensor]]:
+    if agg == "token_mean":  # a scalar coefficient: no per-token tensor to build or read
+        denom = float(valid.sum().clamp(min=1)) if normalizer is None else float(normalizer)
+        coef_t, coef = None, 1.0 / denom
+    else:
+        coef_t, coef = _token_coef(valid, agg, cu_seqlens, normalizer, logp.dtype), 0.0
+    args = (prox, behav, adv, valid, coef_t, coef, 1.0 - eps_clip, 1.0 + eps_high, float(dual_clip),
+            float(cap) if behav is not None else 0.0, mode == "clamp")
+    pg_loss, sums = _FusedSurrogate.apply(logp, mod, args)
+    inv = 1.0 / max(float(sums[_VALID]), 1.0)
+    dt = logp.dtype
+    stats = {
+        "pg_loss": pg_loss.detach(),
+        "clip_frac": (sums[_CLIPPED] * inv).to(dt),
+        "dual_clip_frac": (sums[_DUAL] * inv).to(dt),
+        "ratio_mean": (sums[_RATIO] * inv).to(dt),
+        "approx_kl": (sums[_AKL] * inv).to(dt),
+        "n_tokens": sums[_VALID].to(dt),
+    }
+    if behav is not None:
+        stats["behav_imp_weight_mean"] = (sums[_W] * inv).to(dt)
+        stats["behav_capped_frac"] = (sums[_CAPPED] * inv).to(dt)
+        stats["behav_kl"] = (sums[_BKL] * inv).to(dt)
+    return pg_loss, stats
 
 
 @torch.no_grad()
 def _loss_stats(logp: Tensor, prox: Tensor, behav: Tensor, valid: Tensor, ratio: Tensor, active: Tensor,
-                dual_hit: Tensor, w: Tensor | None, capped: Tensor | None, pg_loss: Tensor,
-                kl: Tensor | None) -> dict[str, Tensor]:
+                dual_hit: Tensor, w: Tensor | None, capped: Tensor | None, pg_loss: Tensor) -> dict[str, Tensor]:
     n_valid = valid.sum()
     inv = 1.0 / n_valid.clamp(min=1).to(logp.dtype)
     n_total = valid.numel()
@@ -241,8 +310,6 @@ def _loss_stats(logp: Tensor, prox: Tensor, behav: Tensor, valid: Tensor, ratio:
         "approx_kl": torch.where(valid, prox - logp.detach(), 0.0).sum() * inv,
         "n_tokens": n_valid.to(logp.dtype),
     }
-    if kl is not None:
-        stats["kl"] = kl.detach()
     if w is not None and capped is not None:
         stats["behav_imp_weight_mean"] = w.sum() * inv
         stats["behav_capped_frac"] = capped.sum().to(logp.dtype) * inv

@@ -78,7 +78,7 @@ def load_profiles(path: str) -> dict[str, GPU]:
         base = dataclasses.asdict(out[gpu]) if gpu in out else {}
         base.update({k: float(v) for k, v in fields.items()})
         base["name"] = str(gpu)
-        missing = names - set(base)
+        missing = names - set(base) - {"pcie_gbps"}  # pcie has a default
         if missing:
             raise HardwareError(f"{path}: new profile {gpu!r} lacks {sorted(missing)}")
         out[str(gpu)] = GPU(**base)

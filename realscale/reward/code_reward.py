@@ -42,6 +42,12 @@ class CodeReward:
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_config(cls, cfg: "object") -> "CodeReward":
+        """Build from a :class:`realscale.config.RewardConfig`."""
+        return cls(concurrency=cfg.code_concurrency, timeout=cfg.timeout,  # type: ignore[attr-defined]
+                   memory_mb=cfg.code_memory_mb)  # type: ignore[attr-defined]
+
     async def score(self, completion: str, tests: str) -> RewardResult:
         """Score one completion without blocking the event loop."""
         return await asyncio.wrap_future(self._submit(completion, tests))

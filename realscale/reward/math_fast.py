@@ -13,9 +13,11 @@ it is not sure:
 - integers on both sides (percents included): math-verify compares the numbers before
   the percent sign, so "50%" equals "50".
 - otherwise (fractions): exact comparison of the values, a percent meaning /100.
-- a "not equal" verdict that involves a percent is left to math-verify, which also tries
-  symbolic simplification there; values beyond 1e12 or 15 significant digits are left
-  to it too, because sympy Floats carry 15 digits.
+- "100%" against "1" (equal only once the percent is divided out) is left to math-verify,
+  whose symbolic fallback may or may not equate them; values beyond 1e12 or 15
+  significant digits are left to it too, because sympy Floats carry 15 digits.
+- one deliberate difference: "12.5%" for a reference "12.5" is accepted, as math-verify
+  itself accepts "50%" for "50" (its Float branch divides by 100 first and rejects it).
 """
 
 from __future__ import annotations
@@ -138,21 +140,19 @@ def parse_plain(answer: str) -> Num | None:
 
 def fast_equal(gold: Num, pred: Num) -> bool | None:
     """math-verify's verdict on two plain numbers, or None when it can't be decided here."""
-    any_pct = gold.is_pct or pred.is_pct
     if _percent_of_same_number(gold, pred):
         return True
     if gold.is_float or pred.is_float:
         a, b = gold.effective, pred.effective
         if a == b:
             return True
-        return False if abs(a - b) > _FLOAT_TOL and not any_pct else None
+        return False if abs(a - b) > _FLOAT_TOL else None
     if gold.is_int and pred.is_int:  # math-verify compares "50%" and "50" as 50 and 50
         if gold.value == pred.value:
             return True
-        return None if any_pct else False
-    if gold.effective == pred.effective:
-        return True
-    return None if any_pct else False
+        # "100%" vs "1": equal only after the /100, which math-verify may or may not find.
+        return None if gold.effective == pred.effective else False
+    return gold.effective == pred.effective
 
 
 def _percent_of_same_number(gold: Num, pred: Num) -> bool:

@@ -49,7 +49,8 @@ def test_parse_plain_leaves_everything_else_to_math_verify(text: str) -> None:
     ("12.5", "12.5%", True),
     ("0.5", r"50\%", True),
     ("1", r"100\%", None),
-    ("60", r"40\%", None),  # a "no" involving a percent is left to math-verify
+    ("60", r"40\%", False),
+    ("12.5%", "12.5", False),  # math-verify's Float branch: 0.125 vs 12.5
 ])
 def test_fast_check_verdicts(gold: str, pred: str, verdict: bool | None) -> None:
     assert fast_check(gold, pred) is verdict
@@ -103,4 +104,4 @@ def test_fast_path_agrees_with_math_verify_wherever_it_decides() -> None:
         theirs = verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}"))
         assert ours == theirs, (gold, pred, ours, theirs)
     # The fast path must take the common forms; what it leaves is mostly "no" verdicts with a percent.
-    assert decided >= 0.75 * len(pairs)
+    assert decided >= 0.9 * len(pairs)

@@ -235,11 +235,15 @@ class RewardConfig:
     timeout: float = knob(5.0, "Seconds one check may take before it scores 0.")
     workers: int = knob(2, "Processes in the reward pool.")
     max_answer_chars: int = knob(2000, "Longer answers are refused (score 0) before parsing.")
+    code_concurrency: int = knob(4, "Code reward: sandboxed programs run at once.")
+    code_memory_mb: int = knob(1024, "Code reward: address-space limit of one sandboxed program (MiB).")
 
     def __post_init__(self) -> None:
         _one_of("reward", "kind", self.kind, ("math", "code"))
         _positive("reward", "timeout", self.timeout)
         _positive("reward", "workers", self.workers)
+        _positive("reward", "code_concurrency", self.code_concurrency)
+        _positive("reward", "code_memory_mb", self.code_memory_mb)
 
 
 @dataclass

@@ -149,14 +149,17 @@ class ReshardPlan:
         """Time if every GPU receives and sends at link speed and the busiest one decides
         (a lower-bound style estimate; bandwidths in GB/s per GPU)."""
         g = self.gpus_per_node
-        busy: dict[int, float] = defaultdict(float)
+        sending: dict[int, float] = defaultdict(float)
+        receiving: dict[int, float] = defaultdict(float)
         for tr in self.transfers:
             nbytes = sum(p.numel(self.spec) for p in tr.pieces) * self.spec.itemsize
             cross = any(r // g != tr.sender // g for r in tr.receivers)
-            busy[tr.sender] += nbytes / ((inter_gbps if cross else intra_gbps) * 1e9)
+            sending[tr.sender] += nbytes / ((inter_gbps if cross else intra_gbps) * 1e9)
             for r in tr.receivers:
-                busy[r] += nbytes / ((inter_gbps if r // g != tr.sender // g else intra_gbps) * 1e9)
-        return max(busy.values(), default=0.0)
+                receiving[r] += nbytes / ((inter_gbps if r // g != tr.sender // g else intra_gbps) * 1e9)
+        # Links are full duplex: a GPU's send and receive overlap.
+        return max((max(sending.get(x, 0.0), receiving.get(x, 0.0)) for x in set(sending) | set(receiving)),
+                   default=0.0)
 
 
 @dataclass

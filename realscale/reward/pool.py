@@ -215,8 +215,9 @@ class WatchdogPool:
     def _ready_slot(self, index: int) -> _Slot:
         slot = self._slots[index]
         if slot is None or not slot.proc.is_alive():
-            if slot is not None:
+            if slot is not None:  # died while idle: replacing it is a restart too
                 slot.kill()
+                self.restarts += 1
             slot = self._slots[index] = self._new_slot()
         slot.wait_ready(self._start_timeout)
         return slot

@@ -19,7 +19,16 @@ CASES = os.path.join(os.path.dirname(__file__), "data", "math_cases.jsonl")
 
 @pytest.fixture(scope="module")
 def reward():
-    r = MathReward(workers=2, timeout=2.0, max_chars=2000)
+    # A generous timeout: on a loaded machine a symbolic check can take seconds.
+    r = MathReward(workers=2, timeout=10.0, max_chars=2000)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """A short timeout, for the tests that make checks run past it."""
+    r = MathReward(workers=1, timeout=1.5)
     yield r
     r.close()
 
@@ -47,7 +56,8 @@ def test_accuracy_on_labelled_cases_is_at_least_99_percent(reward: MathReward) -
     assert all(r.reason in ("ok", "no_answer") for r in results)
 
 
-def test_timeout_scores_zero_with_reason_and_pool_goes_on(reward: MathReward) -> None:
+def test_timeout_scores_zero_with_reason_and_pool_goes_on(quick: MathReward) -> None:
+    reward = quick
     start = time.monotonic()
     slow, fine = reward.score_batch([(r"\boxed{(10^{6})!}", "1"), ("The answer is 3.", "3")])
     assert time.monotonic() - start < 10
@@ -56,12 +66,13 @@ def test_timeout_scores_zero_with_reason_and_pool_goes_on(reward: MathReward) ->
     assert reward.stats()["timeout"] >= 1
 
 
-def test_killed_worker_gives_crash_and_is_replaced(reward: MathReward) -> None:
+def test_killed_worker_gives_crash_and_is_replaced(quick: MathReward) -> None:
+    reward = quick
     restarts = reward.stats()["worker_restarts"]
     result: list[RewardResult] = []
     t = threading.Thread(target=lambda: result.extend(reward.score_batch([(r"\boxed{(10^{6})!}", "1")])))
     t.start()
-    time.sleep(1.0)  # the check is now running in one worker (it takes > 2 s)
+    time.sleep(0.7)  # the check is now running in the worker (it would take > 1.5 s)
     for pid in reward._pool.pids():
         os.kill(pid, signal.SIGKILL)
     t.join(timeout=30)

@@ -227,6 +227,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logits, targets, lse_all, ez_all = ctx.saved_tensors
         temperature, vocab_start, n_valid, chunk, with_entropy = ctx.args
         g_h = g_h if with_entropy else None
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 8
         grad = torch.zeros_like(logits)  # padded vocab columns keep a zero gradient
         for i in range(0, logits.shape[0], chunk):
             j = min(i + chunk, logits.shape[0])
@@ -385,7 +387,7 @@ def reference_logprobs(logits_shard: Tensor, targets: Tensor, *, temperature: fl
     :func:`~realscale.generate.sampling.token_logprobs`; entropy ``-sum p log p``.
     Differentiable only without TP (the gather is not)."""
     full = logits_shard
-    rank, world = _group_rank_world(tp_group)
+    _, world = _group_rank_world(tp_group)
     if world > 1:
         import torch.distributed as dist
 

@@ -62,3 +62,48 @@ def destroy_megatron() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the megatron layout, and its groups."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    pp_ranks: tuple[int, ...]
+    sequence_parallel: bool
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pp_ranks[-1]
+
+
+def rank_info(sequence_parallel: bool = False) -> RankInfo:
+    """This process's place in the layout set up by :func:`init_megatron`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    return RankInfo(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=pp_group,
+        dp_group=ps.get_data_parallel_group(), pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        sequence_parallel=sequence_parallel,
+    )

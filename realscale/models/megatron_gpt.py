@@ -1,0 +1,76 @@
+"""Build a megatron-core ``GPTModel`` for a :class:`~realscale.models.family.ModelArch`.
+
+The local layer spec (plain torch layers; runs on CPU) is used unless Transformer Engine
+is importable, in which case the TE spec is (GPU clusters). Model code takes its
+parallel sizes as arguments and never asks which rank it is on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from realscale.models.family import ModelArch, rope_kwargs
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def te_available() -> bool:
+    """Transformer Engine is installed and a GPU is present."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                       dtype: str = "float32", cpu_init: bool = True) -> Any:
+    """megatron ``TransformerConfig`` for this architecture and layout."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        raise ValueError(f"tp={tp} must divide both num_heads ({arch.num_heads}) and num_kv_heads ({arch.num_kv_heads})")
+    if arch.num_layers % pp:
+        raise ValueError(f"pp={pp} must divide num_layers ({arch.num_layers})")
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.family.qkv_bias, qk_layernorm=arch.family.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        params_dtype=torch_dtype, pipeline_dtype=torch_dtype, bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        use_cpu_initialization=cpu_init, perform_initialization=True,
+    )
+
+
+def layer_spec(arch: ModelArch, use_te: bool | None = None) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.family.qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt(arch: ModelArch, config: Any, *, pre_process: bool, post_process: bool,
+              use_te: bool | None = None, vocab_multiple: int = 64) -> Any:
+    """One pipeline stage of the model (``pre_process``: holds the embedding;
+    ``post_process``: holds the final norm and output layer)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config, layer_spec(arch, use_te),
+        vocab_size=arch.padded_vocab(config.tensor_model_parallel_size, vocab_multiple),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        **rope_kwargs(arch),
+    )

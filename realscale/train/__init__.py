@@ -1,0 +1,1 @@
+"""The Megatron training engine: build on a mesh, log-probs, train step, checkpoints."""

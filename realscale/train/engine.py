@@ -1,0 +1,444 @@
+"""The Megatron training engine (``TrainEngine`` in DESIGN.md).
+
+One engine for CPU (gloo + :mod:`megatron_patches.cpu`, local layer spec) and GPUs
+(NCCL, the Transformer Engine spec when installed). Every rank of the trainer builds a
+:class:`MegatronEngine` after ``torch.distributed`` is up; the layout (tp, pp, dp) comes
+from the config and the world size.
+
+Packed sequences: a micro-batch is one row of back-to-back sequences. With the local
+spec (CPU) attention gets a block-diagonal causal mask and RoPE positions run over the
+whole row — RoPE scores depend only on the distance between two tokens of the same
+sequence, so this equals per-sequence positions (the tests compare with HF per
+sequence). With the TE spec (GPU) the row is passed as THD with ``PackedSeqParams`` and
+no mask. The GPU path was not run in this repository's CI (no GPU there).
+
+Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
+data-parallel rank first; the loss function divides by that global total, so the sum
+of micro-batch losses is exactly the batch's token-mean (or seq-mean) loss whatever the
+packing. Megatron divides each micro-batch loss by the number of micro-batches and DDP
+averages over DP ranks; we multiply those factors back in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from realscale.train.batch import PackedBatch, block_causal_mask
+
+LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+NormalizerFn = Callable[[PackedBatch], torch.Tensor]
+
+
+def masked_tokens(mb: PackedBatch) -> torch.Tensor:
+    """Default normaliser: the number of loss-masked tokens (token-mean loss)."""
+    mask = mb.fields.get("loss_mask")
+    if mask is None:
+        return torch.tensor(float(mb.num_tokens - mb.num_seqs), dtype=torch.float64)
+    return mask.to(torch.float64).sum()
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs, independent of the config tree (see :meth:`from_config`)."""
+
+    model_path: str
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    dtype: str = "float32"
+    seed: int = 1
+    max_tokens_per_micro_batch: int = 4096
+    logprob_chunk_tokens: int = 1024
+    temperature: float = 1.0
+    # optimizer (None lr: inference only)
+    lr: float | None = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 1000
+    distributed_optimizer: bool = True
+    use_te: bool | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_path: str, train: bool = True) -> "EngineConfig":
+        o = cfg.optim
+        return cls(model_path=model_path, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                   sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                   max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+                   logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, temperature=cfg.generate.temperature,
+                   lr=o.lr if train else None, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                   warmup_steps=o.warmup_steps, schedule=o.schedule,
+                   total_steps=max(1, cfg.run.total_steps * cfg.train.mini_batches),
+                   distributed_optimizer=o.distributed_optimizer)
+
+
+class MegatronEngine:
+    """A megatron-core GPT model on this rank's layout, with optimizer and scheduler."""
+
+    def __init__(self, ec: EngineConfig) -> None:
+        from realscale.models.convert import load_hf_weights
+        from realscale.models.family import load_arch
+        from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
+        from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
+
+        self.ec = ec
+        init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
+        self.ranks = rank_info(ec.sequence_parallel)
+        self.arch = load_arch(ec.model_path)
+        with open(os.path.join(ec.model_path, "config.json"), encoding="utf-8") as fh:
+            self.hf_config = json.load(fh)
+        self.use_te = te_available() if ec.use_te is None else ec.use_te
+        config = transformer_config(self.arch, tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel,
+                                    dtype=ec.dtype)
+        config.variable_seq_lengths = ec.pp > 1  # packed micro-batches differ in length
+        self.config = config
+        model = build_gpt(self.arch, config, pre_process=self.ranks.is_first_stage,
+                          post_process=self.ranks.is_last_stage, use_te=self.use_te)
+        load_hf_weights(model, ec.model_path, self.arch, self.ranks.tp_rank, ec.tp)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        self.model = model
+        self.ddp: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.step_count = 0
+        if ec.lr is not None:
+            self._build_optimizer()
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ec = self.ec
+        self.config.finalize_model_grads_func = finalize_model_grads
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=ec.distributed_optimizer)
+        self.ddp = DistributedDataParallel(self.config, ddp_cfg, self.model)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=ec.lr, min_lr=ec.min_lr, weight_decay=ec.weight_decay,
+                                  adam_beta1=ec.adam_beta1, adam_beta2=ec.adam_beta2, adam_eps=ec.adam_eps,
+                                  clip_grad=ec.clip_grad, use_distributed_optimizer=ec.distributed_optimizer,
+                                  bf16=ec.dtype == "bfloat16", fp16=ec.dtype == "float16",
+                                  params_dtype=self.config.params_dtype)
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
+        decay = "cosine" if ec.schedule == "cosine" else "constant"
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if ec.warmup_steps else ec.lr, max_lr=ec.lr,
+            min_lr=ec.min_lr if decay == "cosine" else ec.lr, lr_warmup_steps=ec.warmup_steps,
+            lr_decay_steps=max(ec.total_steps, ec.warmup_steps + 1), lr_decay_style=decay,
+            start_wd=ec.weight_decay, end_wd=ec.weight_decay, wd_incr_steps=max(ec.total_steps, 1),
+            wd_incr_style="constant")
+
+    @property
+    def module(self) -> Any:
+        """The model as the schedule should see it (DDP-wrapped when training)."""
+        return self.ddp if self.ddp is not None else self.model
+
+    # ------------------------------------------------------------------ forward pieces
+
+    def _row(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
+        """One packed row for the model: tokens, positions, mask (or THD params)."""
+        ids = mb.input_ids
+        pad = 0
+        if self.ec.sequence_parallel and ids.numel() % self.ec.tp:
+            pad = self.ec.tp - ids.numel() % self.ec.tp  # SP splits the row evenly over TP
+        seq_ids = mb.seq_ids()
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            seq_ids = torch.cat([seq_ids, torch.arange(pad) + mb.num_seqs])  # each pad token on its own
+        row = {"tokens": ids[None], "positions": torch.arange(ids.numel())[None], "n": torch.tensor(mb.num_tokens)}
+        if self.use_te:
+            row["cu_seqlens"] = torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad]) if pad else mb.cu_seqlens
+        else:
+            row["mask"] = block_causal_mask(seq_ids)
+        if torch.cuda.is_available():
+            row = {k: v.cuda() for k, v in row.items()}
+        return row
+
+    def _stage_forward(self, model: Any, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        """GPTModel.forward up to the final norm: the next stage's input, or on the last
+        stage the final hidden states (log-probs are then computed in chunks from them,
+        so the [T, V] logits never exist at once)."""
+        gpt = model.module if hasattr(model, "module") else model
+        packed = None
+        if "cu_seqlens" in row:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = row["cu_seqlens"].to(torch.int32)
+            max_len = int((cu[1:] - cu[:-1]).max())
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        pre = gpt._preprocess(input_ids=row["tokens"], position_ids=row["positions"], decoder_input=None,
+                              inference_context=None, packed_seq_params=packed)
+        decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
+        return gpt.decoder(hidden_states=decoder_input, attention_mask=row.get("mask"),
+                           rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                           rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed,
+                           sequence_len_offset=sequence_len_offset)
+
+    def _output_weight(self, model: Any) -> torch.Tensor:
+        gpt = model.module if hasattr(model, "module") else model
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
+    def _token_logprobs(self, model: Any, hidden: torch.Tensor, mb: PackedBatch,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Aligned per-token log-probs (see :mod:`realscale.train.batch`) on the last stage."""
+        from megatron.core import tensor_parallel
+
+        from realscale.train.logprobs import logprobs_from_hidden
+
+        if self.ec.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        n = mb.num_tokens
+        hidden = hidden[:n, 0]  # [T, H]: drop SP padding and the batch dim
+        ids = mb.input_ids.to(hidden.device)
+        targets = torch.roll(ids, -1)  # row r predicts token r+1
+        weight = self._output_weight(model)
+        vocab_per_rank = weight.shape[0]
+        lp, ent = logprobs_from_hidden(
+            hidden, weight, targets, temperature=self.ec.temperature,
+            vocab_start=self.ranks.tp_rank * vocab_per_rank, true_vocab_size=self.arch.vocab_size,
+            tp_group=self.ranks.tp_group if self.ec.tp > 1 else None,
+            chunk_tokens=self.ec.logprob_chunk_tokens, with_entropy=with_entropy)
+        starts = mb.cu_seqlens[:-1].to(lp.device)
+        keep = torch.ones(n, dtype=lp.dtype, device=lp.device)
+        keep[starts] = 0.0  # first tokens have no prediction (and the roll wrapped garbage there)
+        lp = torch.roll(lp, 1) * keep
+        if ent is not None:
+            ent = torch.roll(ent, 1) * keep
+        return lp, ent
+
+    def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[list[int]]]:
+        """Balanced micro-batches under the token budget, and which sequences each holds."""
+        from realscale.data.packing import pack_micro_batches
+
+        plan = [idx for idx in pack_micro_batches(batch.seqlens().tolist(), self.ec.max_tokens_per_micro_batch,
+                                                  dp=1, multiple_of=1)[0] if idx]
+        return [batch.select(idx) for idx in plan], plan
+
+    def _run_schedule(self, mbs: list[PackedBatch], forward_only: bool,
+                      loss_of: Callable[[Any, torch.Tensor, PackedBatch], tuple[torch.Tensor, dict[str, Any]]]
+                      ) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        queue = iter(mbs)
+        engine = self
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
+            mb = next(data_iterator)
+            hidden = engine._stage_forward(model, engine._row(mb))
+            return hidden, lambda out: loss_of(model, out, mb)
+
+        max_len = max(mb.num_tokens for mb in mbs)
+        if self.ec.sequence_parallel:
+            max_len = math.ceil(max_len / self.ec.tp) * self.ec.tp
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=queue, model=[self.module], num_microbatches=len(mbs),
+            seq_length=max_len, micro_batch_size=1, forward_only=forward_only)
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def logprobs(self, batch: PackedBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Per-token log-probs (and entropy) of ``batch`` under the current weights, on
+        every rank of this model replica."""
+        self.module.eval()
+        mbs, plan = self._micro_batches(batch)
+
+        def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            lp, ent = self._token_logprobs(model, hidden, mb, with_entropy)
+            out = {"logprobs": lp.float().cpu()}
+            if ent is not None:
+                out["entropy"] = ent.float().cpu()
+            return torch.zeros((), device=lp.device), out
+
+        results = self._run_schedule(mbs, True, loss_of)
+        out = {}
+        for key in ["logprobs"] + (["entropy"] if with_entropy else []):
+            if self.ranks.is_last_stage:
+                packed = self._unpermute(batch, plan, [r[key] for r in results])
+            else:
+                packed = torch.empty(batch.num_tokens, dtype=torch.float32)
+            out[key] = self._from_last_stage(packed)
+        return out
+
+    def full_logits(self, batch: PackedBatch) -> torch.Tensor | None:
+        """``[T, vocab]`` fp32 logits (row j predicts token j+1) on the last stage's
+        ranks, ``None`` elsewhere. Materialises the whole vocabulary: for checks and
+        small batches; training uses the chunked :meth:`logprobs`."""
+        import torch.distributed as dist
+        from megatron.core import tensor_parallel
+
+        self.module.eval()
+        mbs, plan = self._micro_batches(batch)
+
+        def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            if self.ec.sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+            logits = hidden[: mb.num_tokens, 0].float() @ self._output_weight(model).float().t()
+            if self.ec.tp > 1:
+                shards = [torch.empty_like(logits) for _ in range(self.ec.tp)]
+                dist.all_gather(shards, logits.contiguous(), group=self.ranks.tp_group)
+                logits = torch.cat(shards, dim=1)
+            return torch.zeros(()), {"logits": logits[:, : self.arch.vocab_size].cpu()}
+
+        with torch.no_grad():
+            results = self._run_schedule(mbs, True, loss_of)
+        if not self.ranks.is_last_stage:
+            return None
+        out = torch.empty(batch.num_tokens, self.arch.vocab_size)
+        cu = batch.cu_seqlens.tolist()
+        for idx, r in zip(plan, results):
+            pos = 0
+            for i in idx:
+                n = cu[i + 1] - cu[i]
+                out[cu[i]: cu[i] + n] = r["logits"][pos: pos + n]
+                pos += n
+        return out
+
+    @staticmethod
+    def _unpermute(batch: PackedBatch, plan: list[list[int]], pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Micro-batch results back into the batch's own token order."""
+        plan_cu = batch.cu_seqlens.tolist()
+        out = torch.empty(batch.num_tokens, dtype=torch.float32)
+        for idx, piece in zip(plan, pieces):
+            pos = 0
+            for i in idx:
+                n = plan_cu[i + 1] - plan_cu[i]
+                out[plan_cu[i]: plan_cu[i] + n] = piece[pos: pos + n]
+                pos += n
+        return out
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.ec.pp == 1:
+            return tensor
+        dist.broadcast(tensor, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
+        return tensor
+
+    def train_step(self, batch: PackedBatch, loss_fn: LossFn, normalizer_fn: NormalizerFn = masked_tokens
+                   ) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of the batch (all ranks call it).
+
+        ``loss_fn(logp, micro_batch, normalizer)`` returns (loss, stats) where ``logp``
+        are the aligned per-token log-probs with gradient and ``normalizer`` is the
+        global total of ``normalizer_fn`` over every micro-batch and DP rank.
+        """
+        import torch.distributed as dist
+
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (lr=None)")
+        start = time.perf_counter()
+        self.module.train()
+        mbs, _ = self._micro_batches(batch)
+        local_norm = torch.stack([normalizer_fn(mb).double() for mb in mbs]).sum()
+        total_norm = local_norm.clone()
+        tokens = torch.tensor([float(batch.num_tokens)], dtype=torch.float64)
+        if self.ranks.dp > 1:
+            dist.all_reduce(total_norm, group=self.ranks.dp_group)
+            dist.all_reduce(tokens, group=self.ranks.dp_group)
+        normalizer = total_norm.float().clamp(min=1.0)
+        scale = len(mbs) * self.ranks.dp  # undo megatron's 1/num_microbatches and DDP's 1/dp
+
+        def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+            lp, _ = self._token_logprobs(model, hidden, mb)
+            loss, stats = loss_fn(lp, mb, normalizer.to(lp.device))
+            reported = {k: v.detach().float().cpu() for k, v in stats.items()}
+            reported["loss"] = loss.detach().float().cpu()
+            return loss * scale, reported
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run_schedule(mbs, False, loss_of)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.step_count += 1
+        stats = self._reduce_stats(results)
+        stats.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                     lr=float(self.optimizer.param_groups[0]["lr"]), tokens=float(tokens),
+                     micro_batches=float(len(mbs)), time=time.perf_counter() - start, update_ok=float(bool(ok)))
+        return stats
+
+    def _reduce_stats(self, results: list[dict[str, Any]]) -> dict[str, float]:
+        """Loss: summed over micro-batches and DP ranks (each is a share of the global
+        mean); other stats: mean over micro-batches and ranks. Sent from the last stage."""
+        import torch.distributed as dist
+
+        keys = sorted(results[0]) if results else []
+        if self.ec.pp > 1:
+            holder = [keys]
+            dist.broadcast_object_list(holder, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
+            keys = holder[0]
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        if self.ranks.is_last_stage:
+            for i, key in enumerate(keys):
+                vals = torch.stack([r[key].double().reshape(()) for r in results])
+                vec[i] = vals.sum() if key == "loss" else vals.mean()
+        if self.ec.pp > 1:
+            dist.broadcast(vec, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
+        if self.ranks.dp > 1:
+            dist.all_reduce(vec, group=self.ranks.dp_group)
+            for i, key in enumerate(keys):
+                if key != "loss":
+                    vec[i] /= self.ranks.dp
+        return {k: float(v) for k, v in zip(keys, vec)}
+
+    # ------------------------------------------------------------------ weights out
+
+    def export_groups(self) -> Any:
+        from realscale.models.convert import ExportGroups
+
+        r = self.ranks
+        return ExportGroups(tp_group=r.tp_group if r.tp > 1 else None, pp_group=r.pp_group,
+                            pp_ranks=r.pp_ranks, pp_rank=r.pp_rank,
+                            is_sender_column=r.tp_rank == 0 and r.dp_rank == 0)
+
+    def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None) -> Iterator[list]:
+        """HF-named full tensors in buckets, yielded on global rank 0; every rank of the
+        trainer must iterate it to the end (there are collectives inside)."""
+        from realscale.models.convert import export_hf_weights
+
+        if self.ranks.dp_rank != 0:
+            return iter(())
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t.cpu())
+        return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast)
+
+    def save_hf(self, out_dir: str) -> None:
+        """Write an HF safetensors directory of the current weights (rank 0 writes)."""
+        import shutil
+
+        from realscale.models.convert import save_hf
+
+        buckets = self.export_hf_weights(bucket_bytes=256 << 20)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            save_hf(buckets, out_dir, self.hf_config)
+            for name in os.listdir(self.ec.model_path):  # tokenizer and generation config travel along
+                if name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
+                    shutil.copy(os.path.join(self.ec.model_path, name), out_dir)
+        else:
+            for _ in buckets:
+                pass

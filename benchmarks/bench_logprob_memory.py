@@ -15,7 +15,7 @@ and the output weight), one process (tp = 1).
   materialised logits): the chunked softmax without the fused matmul.
 
 Each variant runs in a fresh subprocess (so one's freed memory cannot hide another's
-peak): it allocates the inputs, reads ``ru_maxrss`` (the baseline: interpreter, torch,
+peak): it allocates the inputs, reads its resident size (the baseline: interpreter, torch,
 inputs), runs forward + backward once, and reads ``ru_maxrss`` again; the table gives the
 difference (the peak the computation added) and the wall time of that run. To protect a
 shared machine, each child caps its address space (RLIMIT_AS) at what /proc/meminfo says
@@ -49,12 +49,13 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _vm_size_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmSize, VmRSS) in bytes."""
     with open("/proc/self/status", encoding="ascii") as fh:
         for line in fh:
-            if line.startswith("VmSize:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _mem_available_bytes() -> int:
@@ -70,7 +71,7 @@ def _make_inputs(n: int, vocab: int, hidden: int) -> tuple[Any, Any, Any]:
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) * 0.05  # logits of a few units, like a trained head
+    w = torch.randn(vocab, hidden, generator=g).mul_(0.05)  # logits of a few units; in place: no transient copy
     return h.requires_grad_(), w.requires_grad_(), torch.randint(0, vocab, (n,), generator=g)
 
 
@@ -96,11 +97,15 @@ def child(args: argparse.Namespace) -> None:
     """One variant in this (fresh) process; prints one JSON line and saves outputs for the check."""
     import torch
 
+    import realscale.train.logprobs  # noqa: F401 - imported before the clock starts
+
     torch.set_num_threads(args.threads)
     h, w, targets = _make_inputs(args.tokens, args.vocab, args.hidden)
-    base = _maxrss_bytes()
+    # The baseline is the *current* RSS, not ru_maxrss so far: a transient while building the
+    # inputs would otherwise be subtracted from the computation's peak.
+    base = _status_bytes("VmRSS")
     budget = args.budget_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (_vm_size_bytes() + budget, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (_status_bytes("VmSize") + budget, resource.RLIM_INFINITY))
     t0 = time.perf_counter()
     try:
         lp = _run_variant(args.child, h, w, targets, args.vocab, args.chunk)

@@ -181,8 +181,8 @@ def _chunk_grad_z(z: Tensor, lse: Tensor, ez: Tensor, local: Tensor, owned: Tens
         # g_lp is not None here (the caller skips chunks without gradient); p overwrites z
         grad = z.sub_(lse.unsqueeze(1)).exp_().mul_(-g_lp.unsqueeze(1))
     if g_lp is not None and grad.shape[1]:
-        rows = torch.nonzero(owned).squeeze(1)
-        grad.index_put_((rows, local[rows]), g_lp[rows], accumulate=True)
+        # Rows whose target lives on another rank add 0 (a scatter, not a nonzero(): no device sync).
+        grad.scatter_add_(1, local.unsqueeze(1), torch.where(owned, g_lp, 0.0).unsqueeze(1))
     return grad
 
 

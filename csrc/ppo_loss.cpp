@@ -48,7 +48,9 @@ template <typename scalar_t, bool kDecoupled, bool kCoefTensor>
 void ppo_chunk(const scalar_t* __restrict__ logp, const scalar_t* __restrict__ prox,
                const scalar_t* __restrict__ behav, const scalar_t* __restrict__ adv,
                const bool* __restrict__ mask, const scalar_t* __restrict__ coef_t, const Params& p,
-               scalar_t* __restrict__ grad, int64_t begin, int64_t end, Acc& acc) {
+               scalar_t* __restrict__ grad, int64_t begin, int64_t end, Acc& out) {
+  // Local sums: the compiler keeps them in registers (the output slot could alias grad).
+  Acc acc{};
   for (int64_t t = begin; t < end; ++t) {
     if (!mask[t]) {
       grad[t] = 0;
@@ -88,6 +90,7 @@ void ppo_chunk(const scalar_t* __restrict__ logp, const scalar_t* __restrict__ p
     acc[kRatioSum] += r;
     acc[kApproxKlSum] -= d;
   }
+  out = acc;
 }
 
 void check(const at::Tensor& x, const at::Tensor& like, const char* name) {

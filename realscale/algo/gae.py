@@ -103,8 +103,12 @@ def gae_torch(rewards: Tensor, values: Tensor, cu_seqlens: Tensor, gamma: float,
     coef[last] = 0.0
     adv = delta
     longest = int(lengths.max()) if b else 0
+    # Every C_t is 0 or (gamma*lam)^j with j >= step, so once (gamma*lam)^step is below
+    # eps^2 the terms still missing are below rounding: stop (this also keeps the
+    # products out of the denormal range, where CPU multiplies crawl).
+    tiny = torch.finfo(dtype).eps ** 2
     step = 1
-    while step < longest and gamma * lam != 0.0:
+    while step < longest and (gamma * lam) ** step > tiny:
         # A_t += C_t * A_{t+step}; C_t *= C_{t+step}. The products go to fresh tensors
         # first because the slices overlap. Beyond the end of the pack C_t is already 0
         # (it includes the last sequence's final c), so those slots need no update.

@@ -249,16 +249,19 @@ class _FusedSurrogate(torch.autograd.Function):
     """The surrogate through csrc/ppo_loss.cpp: one pass gives loss, gradient and statistics."""
 
     @staticmethod
-    def forward(ctx: Any, logp: Tensor, mod: Any, args: tuple) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, logp: Tensor, mod: Any, args: tuple, per_valid: bool) -> tuple[Tensor, Tensor]:
         grad, sums = mod.ppo_loss_fwd(logp.detach(), *args)
+        # per_valid: the kernel summed with coefficient 1 and counted the valid tokens on
+        # the way; dividing here (and in backward's one multiply) saves a counting pass.
+        ctx.scale = 1.0 / max(float(sums[_VALID]), 1.0) if per_valid else 1.0
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(sums)
-        return sums[0].to(logp.dtype), sums
+        return (sums[_LOSS] * ctx.scale).to(logp.dtype), sums
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor, _: Any) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad_loss: Tensor, _: Any) -> tuple[Tensor | None, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss, None, None
+        return grad * (grad_loss * ctx.scale), None, None, None
 
 
 # Positions in the kernel's statistics vector (csrc/ppo_loss.cpp, enum Stat).
@@ -268,14 +271,14 @@ _LOSS, _VALID, _CLIPPED, _DUAL, _RATIO, _AKL, _W, _CAPPED, _BKL = range(9)
 def _fused_surrogate(mod: Any, logp: Tensor, prox: Tensor, behav: Tensor | None, adv: Tensor, valid: Tensor,
                      agg: str, cu_seqlens: Tensor | None, normalizer: float | Tensor | None, eps_clip: float,
                      eps_high: float, dual_clip: float, cap: float, mode: str) -> tuple[Tensor, dict[str, Tensor]]:
+    per_valid = agg == "token_mean" and normalizer is None
     if agg == "token_mean":  # a scalar coefficient: no per-token tensor to build or read
-        denom = float(valid.sum().clamp(min=1)) if normalizer is None else float(normalizer)
-        coef_t, coef = None, 1.0 / denom
+        coef_t, coef = None, 1.0 if normalizer is None else 1.0 / float(normalizer)
     else:
         coef_t, coef = _token_coef(valid, agg, cu_seqlens, normalizer, logp.dtype), 0.0
     args = (prox, behav, adv, valid, coef_t, coef, 1.0 - eps_clip, 1.0 + eps_high, float(dual_clip),
             float(cap) if behav is not None else 0.0, mode == "clamp")
-    pg_loss, sums = _FusedSurrogate.apply(logp, mod, args)
+    pg_loss, sums = _FusedSurrogate.apply(logp, mod, args, per_valid)
     inv = 1.0 / max(float(sums[_VALID]), 1.0)
     dt = logp.dtype
     stats = {

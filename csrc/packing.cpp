@@ -3,8 +3,9 @@
 // Twin of realscale/data/packing.py::_balanced_partition_py (same algorithm, same
 // tie-breaks, so both return the same assignment; tests compare them).
 //
-// 1. LPT: items by decreasing length (ties: lower index first) each go to the least
-//    loaded bin (ties: lower bin id).  O(n log k) with a binary heap.
+// 1. Start: under a budget, best fit decreasing (see best_fit); without one, LPT: items
+//    by decreasing length (ties: lower index first) each go to the least loaded bin
+//    (ties: lower bin id).  O(n log k).
 // 2. Refinement: repeatedly take the most loaded bin `hi` and, scanning partner bins
 //    from the least loaded up, apply the first move (one item hi -> lo) or swap (a in hi,
 //    b in lo) that shifts d tokens with 0 < d < gap, choosing d closest to gap/2 (while hi
@@ -12,8 +13,9 @@
 //    sum of squared loads.  An over-budget top bin that no such exchange helps gets a
 //    "kick" (see kick()).  A top bin that no exchange can
 //    lower (e.g. one huge sequence) is frozen and the rest keep balancing, which raises
-//    the minimum.  Stops when the unfrozen bins are within 1 token, or after max_iters
-//    passes (exchanges plus freezes).
+//    the minimum.  Stops when the unfrozen bins are within 1 token (or within `spread`
+//    tokens and all within capacity), or after max_iters passes.  Each pass tries at most
+//    max_scan partners: this bounds the time of a nearly infeasible attempt.
 //
 // Karmarkar-Karp keeps k-tuples of partial sums per item (O(n k) memory: what makes the
 // published allocators run out of memory at n = 65,536); this uses O(n + k).
@@ -32,6 +34,7 @@ namespace {
 
 using Item = std::pair<int64_t, int64_t>;  // (length, sequence index)
 using Key = std::pair<int64_t, int64_t>;   // (load, bin id)
+constexpr int64_t kNoCapacity = int64_t(1) << 62;  // "no budget" (matches packing.py)
 
 struct Exchange {
   int64_t pos_a = -1;  // position in the hi bin
@@ -144,21 +147,61 @@ bool kick(std::vector<std::vector<Item>>& bins, std::vector<int64_t>& load, std:
   return true;
 }
 
+// Best fit decreasing into at most k bins: each item (longest first) goes to the open bin
+// whose room fits it most tightly, else a new bin, else (all k open, none fits) the bin
+// with the most room.  Under a budget, this packs nearly without waste, which is what
+// reaching ceil(total / budget) micro-batches needs; refinement then balances the loads
+// without ever pushing a bin over the budget.
+void best_fit(const int64_t* len, int64_t n, int64_t k, int64_t capacity, std::vector<std::vector<Item>>& bins,
+              std::vector<int64_t>& load) {
+  std::vector<int64_t> idx(n);
+  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [len](int64_t x, int64_t y) {
+    return len[x] > len[y] || (len[x] == len[y] && x < y);
+  });
+  std::set<Key> room;  // (room left, bin id) of open bins
+  int64_t opened = 0;
+  for (int64_t i : idx) {
+    auto it = room.lower_bound(Key(len[i], -1));
+    int64_t b;
+    if (it != room.end()) {
+      b = it->second;
+      room.erase(it);
+    } else if (opened < k) {
+      b = opened++;
+    } else {
+      auto last = std::prev(room.end());
+      b = last->second;
+      room.erase(last);
+    }
+    bins[b].emplace_back(len[i], i);
+    load[b] += len[i];
+    room.insert(Key(capacity - load[b], b));
+  }
+  for (auto& v : bins) std::sort(v.begin(), v.end());
+}
+
 int64_t refine(std::vector<std::vector<Item>>& bins, std::vector<int64_t>& load, int64_t capacity,
-               int64_t max_iters) {
+               int64_t spread, int64_t max_iters, int64_t max_scan) {
   std::set<Key> order;
   for (int64_t b = 0; b < static_cast<int64_t>(load.size()); ++b) order.insert(Key(load[b], b));
   int64_t iters = 0, kicks = 0;
-  const int64_t max_kicks = 4 * static_cast<int64_t>(load.size());  // kicks can cycle; bound them
+  // Kicks can cycle when the budget is nearly unreachable; bound them so that a hopeless
+  // attempt fails fast and the caller adds a micro-batch instead.
+  const int64_t max_kicks = 16 + static_cast<int64_t>(load.size()) / 8;
   for (; iters < max_iters && order.size() > 1; ++iters) {
     const Key top = *order.rbegin();
+    // Good enough: within budget and max - min <= spread (polishing further costs time
+    // and buys nothing measurable).
+    if (top.first - order.begin()->first <= std::max<int64_t>(spread, 1) && top.first <= capacity) break;
     if (top.first - order.begin()->first <= 1) break;
     // Over budget, only exchanges that keep the partner within budget: pushing the excess
     // into a bin that then overflows just moves it, often into a rigid bin (one long
     // sequence plus a short one) that no exchange can fix.
     const bool over = top.first > capacity;
     bool found = false;
-    for (auto it = order.begin(); it != order.end(); ++it) {
+    int64_t scanned = 0;
+    for (auto it = order.begin(); it != order.end() && scanned < max_scan; ++it, ++scanned) {
       const int64_t gap = top.first - it->first;
       if (gap <= 1) break;
       const int64_t limit = over ? std::min(gap - 1, capacity - it->first) : gap - 1;
@@ -186,7 +229,7 @@ int64_t refine(std::vector<std::vector<Item>>& bins, std::vector<int64_t>& load,
 // lengths: 1-D int64 tensor (all >= 0); returns (assignment: int64[n] bin per item,
 // iterations of refinement used).
 std::tuple<torch::Tensor, int64_t> balanced_partition(torch::Tensor lengths, int64_t num_bins, int64_t capacity,
-                                                      int64_t max_iters) {
+                                                      int64_t spread, int64_t max_iters, int64_t max_scan) {
   TORCH_CHECK(lengths.dim() == 1, "lengths must be 1-D, got ", lengths.dim(), " dims");
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64, "lengths must be int64");
   TORCH_CHECK(num_bins >= 1, "num_bins must be >= 1, got ", num_bins);
@@ -195,8 +238,12 @@ std::tuple<torch::Tensor, int64_t> balanced_partition(torch::Tensor lengths, int
   const int64_t* len = lens.data_ptr<int64_t>();
   std::vector<std::vector<Item>> bins(num_bins);
   std::vector<int64_t> load(num_bins, 0);
-  lpt(len, n, num_bins, bins, load);
-  const int64_t iters = refine(bins, load, capacity, max_iters);
+  if (capacity < kNoCapacity) {
+    best_fit(len, n, num_bins, capacity, bins, load);
+  } else {
+    lpt(len, n, num_bins, bins, load);
+  }
+  const int64_t iters = refine(bins, load, capacity, spread, max_iters, max_scan);
   torch::Tensor assign = torch::empty({n}, torch::kInt64);
   int64_t* out = assign.data_ptr<int64_t>();
   for (int64_t b = 0; b < num_bins; ++b)
@@ -208,5 +255,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Balanced k-way partition (LPT + exchange refinement) for micro-batch packing";
   m.def("balanced_partition", &balanced_partition, "LPT + max-bin exchange refinement",
         pybind11::arg("lengths"), pybind11::arg("num_bins"),
-        pybind11::arg("capacity"), pybind11::arg("max_iters"));
+        pybind11::arg("capacity"), pybind11::arg("spread"), pybind11::arg("max_iters"),
+        pybind11::arg("max_scan"));
 }

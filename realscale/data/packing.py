@@ -70,7 +70,7 @@ def _as_lengths(seqlens: Any) -> np.ndarray:
             arr = arr.astype(np.int64)
         else:
             bad = next(i for i, v in enumerate(arr.tolist()) if not _is_integral(v))
-            raise ValueError(f"seqlens[{bad}] = {arr[bad]!r} is not an integer length")
+            raise ValueError(f"seqlens[{bad}] = {arr.tolist()[bad]!r} is not an integer length")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 1:
         bad = int(np.argmin(arr))

@@ -183,8 +183,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {v} | did not fit in {r['budget_bytes'] / GIB:.1f} GiB | - | - | - |")
             continue
-        mem_ratio = (f"{ref_r['added_peak_bytes'] / r['added_peak_bytes']:.1f}x less"
-                     if "error" not in ref_r else "-")
+        mem_ratio = ("-" if "error" in ref_r else "1.00x" if v == "reference"
+                     else f"{ref_r['added_peak_bytes'] / r['added_peak_bytes']:.1f}x less")
         time_ratio = f"{ref_r['seconds'] / r['seconds']:.2f}x" if "error" not in ref_r else "-"
         print(f"| {v} | {r['added_peak_bytes'] / GIB:.2f} | {mem_ratio} | {r['seconds']:.1f} | {time_ratio} |")
     for v, c in checks.items():

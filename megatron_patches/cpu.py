@@ -398,6 +398,7 @@ def _quiet_expected_warnings() -> None:
     for pattern in (r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed.*",
                     r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
                     r".*full scope is deprecated.*",
+                    r".*\.grad attribute of a Tensor that is not a leaf.*",
                     r".*`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
 

@@ -40,8 +40,10 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
     import torch.distributed as dist
 
     import megatron_patches.cpu as mp_cpu
+    import megatron_patches.fixes as mp_fixes
 
     mp_cpu.apply()
+    mp_fixes.apply()
     from megatron.core import parallel_state, tensor_parallel
 
     world = dist.get_world_size()

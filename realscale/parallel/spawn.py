@@ -63,8 +63,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     procs, conns = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(rank, world_size, port, backend, dict(env or {}), fn, args, child),
-                           daemon=True)
+        # Not daemonic: ranks may start processes of their own (megatron's checkpoint
+        # writer does); the finally block below kills any rank still alive.
+        proc = ctx.Process(target=_worker, args=(rank, world_size, port, backend, dict(env or {}), fn, args, child))
         proc.start()
         child.close()
         procs.append(proc)

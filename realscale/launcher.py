@@ -1,0 +1,141 @@
+"""Start and watch the processes of a run on this machine: generation servers and trainer
+ranks. Everything started here is stopped here — on success, on error, on Ctrl-C or
+SIGTERM — so a run leaves no orphan processes and frees its ports.
+
+The Slurm backend (issue 8) will reuse :class:`ProcessGroupWatcher`; only how processes
+are started differs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from realscale.parallel.spawn import free_port
+
+
+class LaunchError(RuntimeError):
+    """A process of the run failed or never became ready."""
+
+
+@dataclass
+class ServerProc:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+
+def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
+                  max_running: int = 32, context_length: int = 2048, seed: int = 0,
+                  timeout: float = 180.0) -> list[ServerProc]:
+    """``num`` embedded generation servers (``realscale serve``), each on a free port,
+    logging to ``log_dir/server<i>.log``; returns once every one answers /health."""
+    os.makedirs(log_dir, exist_ok=True)
+    servers = []
+    for i in range(num):
+        port = free_port(host)
+        log_path = os.path.join(log_dir, f"server{i}.log")
+        cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
+               "--threads", str(threads), "--max-running", str(max_running), "--context-length",
+               str(context_length), "--seed", str(seed + i)]
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
+    try:
+        for s in servers:
+            wait_healthy(s, timeout)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def wait_healthy(server: ServerProc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise LaunchError(f"generation server {server.url} exited with code {server.proc.returncode}; "
+                              f"see {server.log_path}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise LaunchError(f"generation server {server.url} not healthy after {timeout:.0f} s; see {server.log_path}")
+
+
+def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
+    """SIGTERM each server's process group, then SIGKILL what is left."""
+    for s in servers:
+        if s.proc.poll() is None:
+            try:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for s in servers:
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            s.proc.wait()
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    fn(*args)
+
+
+@dataclass
+class RankGroup:
+    """Trainer ranks as local processes (torch.distributed env set for each)."""
+
+    procs: list[Any] = field(default_factory=list)
+
+    def start(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(world):
+            proc = ctx.Process(target=_rank_entry, args=(rank, world, port, fn, args), name=f"trainer-rank{rank}")
+            proc.start()
+            self.procs.append(proc)
+
+    def wait(self, poll: float = 0.5) -> int:
+        """Block until all ranks exit; if one fails, stop the others. Returns the worst exit code."""
+        while True:
+            codes = [p.exitcode for p in self.procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                self.stop()
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll)
+
+    def stop(self, grace: float = 10.0) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()

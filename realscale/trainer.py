@@ -1,0 +1,437 @@
+"""The RL loop: ``realscale train``.
+
+Read top to bottom, one run is:
+
+1. **prepare** (supervisor process): resolve the config, write it into the run directory,
+   make the policy model (the warm start via ``realscale sft`` when the recipe asks for
+   it), start the generation servers and wait for their health.
+2. **trainer ranks** (``tp*pp*dp`` processes, gloo on CPU / NCCL on GPUs): each builds the
+   Megatron engine. Rank 0 also runs the asynchronous rollout controller (its own event
+   loop in a thread) that keeps prompts in flight under the staleness bound.
+3. **each step**: rank 0 takes B accepted groups -> packs them into one batch with
+   GRPO/LOO advantages -> sends it to every rank over torch.distributed -> each DP rank
+   keeps its token-balanced share -> proximal log-probs are recomputed (decoupled PPO) ->
+   PPO mini-batch updates -> the servers are paused, the new weights streamed to them
+   (bucketed broadcast) or written to disk, the version bumped, the servers resumed.
+4. **checkpoints** every ``run.checkpoint_every`` steps (atomic): model, optimizer, data
+   position, version, staleness counters. A run started again in the same directory
+   resumes from the last one.
+5. **report**: JSONL metrics every step, a progress bar, and at the end a plot and a
+   one-screen summary; held-out accuracy before and after.
+
+The supervisor watches every process and stops all of them on error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from realscale.config import Config, load_config, run_dir, save_config
+
+LATEST = "latest_checkpoint"
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def groups_to_batch(groups: list[Any], algo: Any) -> tuple[Any, dict[str, float]]:
+    """Accepted groups -> one packed batch with per-token fields, and rollout stats."""
+    from realscale.algo.advantages import grpo_advantages, loo_advantages
+    from realscale.train.batch import PackedBatch
+
+    trajs = [t for g in groups for t in g]
+    sizes = torch.tensor([len(g) for g in groups])
+    cu_groups = torch.zeros(len(groups) + 1, dtype=torch.long)
+    cu_groups[1:] = torch.cumsum(sizes, 0)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    if algo.adv_estimator == "loo":
+        adv = loo_advantages(rewards, cu_groups=cu_groups)
+    elif algo.adv_estimator == "grpo":
+        adv = grpo_advantages(rewards, cu_groups=cu_groups, std_norm=algo.group_std_norm)
+    else:
+        raise ValueError(f"algo.adv_estimator={algo.adv_estimator!r} needs a critic, which this loop does not train")
+    seqs, mask, behav, advs, versions = [], [], [], [], []
+    for t, a in zip(trajs, adv.tolist()):
+        n_p, n_o = len(t.prompt_ids), len(t.output_ids)
+        seqs.append(torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long))
+        mask.append(torch.tensor([0.0] * n_p + [float(m) for m in t.loss_mask]))
+        behav.append(torch.tensor([0.0] * n_p + list(t.output_logprobs), dtype=torch.float32))
+        advs.append(torch.full((n_p + n_o,), a, dtype=torch.float32))
+        versions.append(torch.tensor([-1] * n_p + list(t.output_versions), dtype=torch.float32))
+    batch = PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs,
+                                              "versions": versions})
+    out_lens = torch.tensor([float(len(t.output_ids)) for t in trajs])
+    stats = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).float().mean()),
+             "rollout/response_len": float(out_lens.mean()), "rollout/response_len_max": float(out_lens.max()),
+             "rollout/groups": float(len(groups)), "rollout/trajectories": float(len(trajs)),
+             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs))}
+    return batch, stats
+
+
+def share_for_rank(batch: Any, dp: int, dp_rank: int) -> Any:
+    """This DP rank's sequences, balanced by token count across ranks."""
+    if dp == 1:
+        return batch
+    from realscale.data.packing import balanced_partition
+
+    assign = balanced_partition(batch.seqlens().numpy(), dp)
+    mine = [i for i, b in enumerate(assign.tolist()) if b == dp_rank]
+    if not mine:
+        raise RuntimeError(f"DP rank {dp_rank} received no sequences (batch of {batch.num_seqs} for dp={dp})")
+    return batch.select(mine)
+
+
+def broadcast_batch(batch: Any | None, src: int = 0) -> Any:
+    """Rank ``src``'s batch on every trainer rank (torch.distributed, gloo or NCCL)."""
+    import torch.distributed as dist
+
+    from realscale.train.batch import PackedBatch
+
+    holder = [batch.to_payload() if batch is not None else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(holder, src=src)
+    return PackedBatch.from_payload(holder[0])
+
+
+def ppo_loss_fn(algo: Any) -> Any:
+    """The decoupled PPO objective of DESIGN.md as the engine's loss function."""
+    from realscale.algo.losses import ppo_loss
+
+    def loss(logp: torch.Tensor, mb: Any, normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        f = mb.fields
+        return ppo_loss(logp, f["behav_logprobs"], f["advantages"], f["loss_mask"],
+                        logp_prox=f.get("prox_logprobs") if algo.decoupled else None,
+                        eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip=algo.dual_clip,
+                        imp_weight_cap=algo.behav_imp_weight_cap, imp_weight_mode=algo.behav_imp_weight_mode,
+                        agg=algo.loss_agg, cu_seqlens=mb.cu_seqlens if algo.loss_agg != "token_mean" else None,
+                        normalizer=normalizer)
+    return loss
+
+
+def normalizer_fn(algo: Any) -> Any:
+    from realscale.algo.losses import loss_normalizer
+
+    return lambda mb: loss_normalizer(mb.fields["loss_mask"], mb.cu_seqlens, algo.loss_agg)
+
+
+def mini_batches(batch: Any, n: int) -> list[Any]:
+    """Split a batch's sequences into ``n`` mini-batches (one optimizer step each)."""
+    if n <= 1:
+        return [batch]
+    idx = list(range(batch.num_seqs))
+    return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
+
+
+# ----------------------------------------------------------------------------- rank main
+
+
+class RankContext:
+    """What one trainer rank holds during a run."""
+
+    def __init__(self, cfg: Config, model_dir: str, server_urls: list[str], out_dir: str) -> None:
+        import torch.distributed as dist
+
+        from realscale.train.engine import EngineConfig, MegatronEngine
+
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        self.cfg, self.out_dir, self.server_urls = cfg, out_dir, server_urls
+        self.rank = dist.get_rank()
+        self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+        self.step, self.version = 0, 0
+        self.controller: Any = None
+        self.sender: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def _controller(ctx: RankContext, model_dir: str) -> Any:
+    """The rollout controller (rank 0 only)."""
+    from realscale.rollout.controller import build_controller
+
+    return build_controller(ctx.cfg, model_dir, ctx.server_urls, ctx.out_dir)
+
+
+def _call(ctx: RankContext, coro: Any) -> Any:
+    """Run a client coroutine on the controller's event loop and wait for it."""
+    return ctx.controller.run_coroutine(coro)
+
+
+def push_weights(ctx: RankContext) -> dict[str, float]:
+    """Pause generation, move the new weights to every server, bump the version, resume.
+    Every trainer rank calls it (the export has collectives)."""
+    start = time.perf_counter()
+    cfg = ctx.cfg
+    new_version = ctx.version + 1
+    sent = 0
+    if ctx.is_driver:
+        ctx.controller.pause()
+        _call(ctx, ctx.controller.client.pause(cfg.generate.pause_mode))
+    if cfg.generate.weight_update == "disk":
+        path = os.path.join(ctx.out_dir, "weights", f"v{new_version}")
+        ctx.engine.save_hf(path)
+        if ctx.is_driver:
+            _call(ctx, ctx.controller.client.update_weights_from_disk(path, weight_version=new_version))
+    else:
+        buckets = ctx.engine.export_hf_weights(bucket_bytes=64 << 20)
+        if ctx.is_driver:
+            sent = _call(ctx, ctx.controller.client.update_weights(ctx.sender, buckets, weight_version=new_version))
+        else:
+            for _ in buckets:  # take part in the gathers; only rank 0 sends
+                pass
+    ctx.version = new_version
+    if ctx.is_driver:
+        ctx.controller.set_version(new_version)
+        _call(ctx, ctx.controller.client.resume())
+        ctx.controller.resume()
+    return {"perf/weight_sync_s": time.perf_counter() - start, "perf/weight_sync_bytes": float(sent)}
+
+
+def connect_weight_sender(ctx: RankContext) -> None:
+    """Rank 0 hosts a torch.distributed group with every server (gloo here, NCCL on GPUs)."""
+    from realscale.generate.weight_sync import WeightSender
+    from realscale.parallel.spawn import free_port
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    ctx.sender = WeightSender("127.0.0.1", free_port(), world_size=len(ctx.server_urls) + 1,
+                              group_name="realscale-weights", backend=backend)
+    _call(ctx, ctx.controller.client.init_weights_update_group(ctx.sender))
+
+
+def train_one_step(ctx: RankContext) -> dict[str, float]:
+    """Take a batch, update the policy, publish the weights. Every rank calls it."""
+    cfg = ctx.cfg
+    t0 = time.perf_counter()
+    stats: dict[str, float] = {}
+    batch = None
+    if ctx.is_driver:
+        groups = ctx.controller.get_batch(cfg.rollout.batch_size, timeout=cfg.generate.request_timeout)
+        batch, stats = groups_to_batch(groups, cfg.algo)
+        lags = [ctx.version - g.min_version for g in groups]
+        stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
+        ctx.controller.record_trained(groups, ctx.version)
+    t_wait = time.perf_counter() - t0
+    batch = broadcast_batch(batch)
+    r = ctx.engine.ranks
+    mine = share_for_rank(batch, r.dp, r.dp_rank)
+    if cfg.algo.decoupled:
+        mine.fields["prox_logprobs"] = ctx.engine.logprobs(mine)["logprobs"]
+    t_train = time.perf_counter()
+    loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
+    for mb in mini_batches(mine, cfg.train.mini_batches):
+        step_stats = ctx.engine.train_step(mb, loss_fn, norm_fn)
+    t_train = time.perf_counter() - t_train
+    stats.update({f"train/{k}": v for k, v in step_stats.items()})
+    stats.update(push_weights(ctx))
+    trained = float(batch.fields["loss_mask"].sum())
+    elapsed = time.perf_counter() - t0
+    stats.update({"perf/step_s": elapsed, "perf/wait_rollout_s": t_wait, "perf/train_s": t_train,
+                  "perf/trained_tokens": trained, "perf/trained_tokens_per_s": trained / max(elapsed, 1e-9),
+                  "version": float(ctx.version)})
+    ctx.step += 1
+    return stats
+
+
+def save_checkpoint(ctx: RankContext) -> None:
+    ckpt = os.path.join(ctx.out_dir, "checkpoints", f"step{ctx.step:06d}")
+    extra = {"step": ctx.step, "version": ctx.version}
+    if ctx.is_driver:
+        extra["controller"] = ctx.controller.state_dict()
+    holder = [extra]
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(holder, src=0)
+    ctx.engine.save(ckpt, extra=holder[0])
+    if ctx.is_driver:  # the pointer moves only after the checkpoint is complete
+        tmp = os.path.join(ctx.out_dir, LATEST + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(ckpt)
+        os.replace(tmp, os.path.join(ctx.out_dir, LATEST))
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    path = os.path.join(out_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        ckpt = fh.read().strip()
+    return ckpt if os.path.isdir(ckpt) else None
+
+
+def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str) -> None:
+    """One trainer rank from start to finish."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))
+    ctx = RankContext(cfg, model_dir, server_urls, out_dir)
+    resume = latest_checkpoint(out_dir)
+    extra: dict[str, Any] = {}
+    if resume:
+        extra = ctx.engine.load(resume)
+        ctx.step, ctx.version = int(extra["step"]), int(extra["version"])
+    logger = None
+    if ctx.is_driver:
+        ctx.controller = _controller(ctx, model_dir)
+        if "controller" in extra:
+            ctx.controller.load_state_dict(extra["controller"])
+        ctx.controller.set_version(ctx.version)
+        if cfg.generate.weight_update == "distributed":
+            connect_weight_sender(ctx)
+        from realscale.metrics import MetricsLogger
+
+        logger = MetricsLogger(out_dir, cfg.run.total_steps, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                               wandb_mode=cfg.run.wandb_mode, start_step=ctx.step)
+    try:
+        if resume:
+            # the servers started from the base model: give them the checkpoint's weights
+            ctx.version -= 1
+            push_weights(ctx)
+        if ctx.is_driver:
+            ctx.controller.start()
+        while ctx.step < cfg.run.total_steps:
+            stats = train_one_step(ctx)
+            if logger is not None and ctx.step % cfg.run.log_every == 0:
+                stats.update({f"rollout_ctl/{k}": v for k, v in ctx.controller.stats().items()
+                              if isinstance(v, (int, float))})
+                logger.log(ctx.step, stats)
+            every = cfg.run.checkpoint_every
+            if (every and ctx.step % every == 0) or ctx.step == cfg.run.total_steps:
+                save_checkpoint(ctx)
+    finally:
+        if ctx.is_driver:
+            if ctx.controller is not None:
+                hist = ctx.controller.staleness_histogram()
+                with open(os.path.join(out_dir, "staleness_hist.json"), "w", encoding="utf-8") as fh:
+                    json.dump({str(k): v for k, v in hist.items()}, fh)
+                ctx.controller.stop()
+            if ctx.sender is not None:
+                ctx.sender.close()
+            if logger is not None:
+                logger.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- supervisor
+
+
+def prepare_model(cfg: Config, out_dir: str) -> str:
+    """The policy's HF directory: the SFT warm start when ``sft.enabled``, else model.path."""
+    from realscale.models.tiny import resolve_model_path
+
+    if getattr(cfg, "sft", None) is not None and cfg.sft.enabled:
+        from realscale.sft import run_sft, sft_output_dir
+
+        target = sft_output_dir(cfg)
+        if not os.path.isfile(os.path.join(target, "model.safetensors")):
+            run_sft(cfg)
+        return target
+    return resolve_model_path(cfg.model.path)
+
+
+def evaluate_heldout(cfg: Config, model_dir: str) -> float | None:
+    """Greedy accuracy on the task's held-out split (tasks that have one)."""
+    if not cfg.data.source.startswith("task:"):
+        return None
+    from realscale.eval import evaluate
+    from realscale.tasks.arith import task_from_config
+
+    task = task_from_config(cfg.data)
+    return evaluate(model_dir, task.split("heldout")).accuracy
+
+
+def train(cfg: Config) -> int:
+    """The supervisor: prepare, start servers and trainer ranks, watch, report."""
+    from realscale.launcher import RankGroup, start_servers, stop_servers
+    from realscale.metrics import plot_run, summary_text
+
+    out_dir = run_dir(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    save_config(cfg, out_dir)
+    t0 = time.time()
+    model_dir = prepare_model(cfg, out_dir)
+    resumed = latest_checkpoint(out_dir) is not None
+    acc_start = None if resumed else evaluate_heldout(cfg, model_dir)
+    servers = start_servers(model_dir, cfg.generate.num_servers, os.path.join(out_dir, "logs"),
+                            host=cfg.generate.host, seed=cfg.run.seed,
+                            context_length=cfg.generate.context_length,
+                            max_running=cfg.generate.max_running_requests)
+    ranks = RankGroup()
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        ranks.start(rank_main, cfg.parallel.world_size,
+                    (asdict(cfg), model_dir, [s.url for s in servers], out_dir))
+        code = ranks.wait()
+    except KeyboardInterrupt:
+        print("\nrealscale: interrupted; stopping trainer ranks and generation servers")
+        code = 130
+    finally:
+        ranks.stop()
+        stop_servers(servers)
+        signal.signal(signal.SIGTERM, previous)
+    if code != 0:
+        print(f"realscale: a trainer rank failed (exit code {code}); logs under {out_dir}")
+        return code
+    final_dir = os.path.join(out_dir, "final")
+    acc_end = _final_accuracy(cfg, out_dir, final_dir)
+    hist_path = os.path.join(out_dir, "staleness_hist.json")
+    hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
+    extra = {"held-out accuracy": f"{_pct(acc_start)} -> {_pct(acc_end)}", "total time": f"{time.time() - t0:.0f} s"}
+    if acc_end is not None:
+        from realscale.metrics import MetricsLogger
+
+        log = MetricsLogger(out_dir, 0, progress=False)
+        log.log(cfg.run.total_steps, {"eval/accuracy": acc_end, **({"eval/accuracy_start": acc_start}
+                                                                  if acc_start is not None else {})})
+        log.close()
+    plot_run(out_dir, hist)
+    print(summary_text(out_dir, extra))
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
+                   "staleness_hist": hist}, fh, indent=1)
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> float | None:
+    """Export the last checkpoint to HF and evaluate it on the held-out split."""
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None or not cfg.data.source.startswith("task:"):
+        return None
+    from realscale.parallel.spawn import run_distributed
+
+    run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
+                    prepare_model(cfg, out_dir), timeout=1200)
+    return evaluate_heldout(cfg, final_dir)
+
+
+def _export_final(cfg_dict: dict[str, Any], ckpt: str, final_dir: str, model_dir: str) -> None:
+    from omegaconf import OmegaConf
+
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg_dict))
+    cfg.parallel.dp = 1
+    eng = MegatronEngine(EngineConfig.from_config(cfg, model_dir, train=False))
+    eng.load(ckpt)
+    eng.save_hf(final_dir)
+
+
+def main(recipe: str | None, overrides: list[str]) -> int:
+    cfg = load_config(recipe, overrides)
+    return train(cfg)

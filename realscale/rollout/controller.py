@@ -1,0 +1,466 @@
+"""The rollout controller: keeps generation busy within the staleness bound.
+
+The trainer is synchronous; the controller runs its own asyncio loop in a background
+thread. That loop owns the :class:`~realscale.generate.client.InferenceClient` and keeps
+up to ``StalenessManager.capacity(version)`` prompts in flight, one
+``workflow.run_episode`` task per prompt. A finished group goes through the filters and
+into a FIFO buffer; :meth:`RolloutController.get_batch` hands the oldest accepted groups
+to the trainer.
+
+Filters, in order:
+
+- *failed*: the episode raised (a server error after the client's retries). Counted, and
+  the prompt is re-queued after a back-off. ``max_consecutive_failures`` failures with no
+  success between them mean the servers are gone: :meth:`get_batch` raises
+  :class:`RolloutError` naming the last error.
+- *stale*: the group's oldest token lags the current version by more than η. The
+  capacity rule bounds how far submissions run ahead, but an episode that started long
+  ago can finish late; such a group can never be trained within the bound, so it is
+  dropped and its prompt re-queued. :meth:`set_version` applies the same check to the
+  buffer. Hence every group :meth:`get_batch` returns has
+  ``version_at_train - min_version <= η``.
+- *all_equal* (``filter_all_equal``, DAPO dynamic sampling): a group whose rewards are
+  all equal teaches nothing; it is dropped for good and a replacement prompt drawn.
+
+Checkpoints (:meth:`state_dict`): in-flight and buffered groups are not saved; a resumed
+run regenerates them. Every sample drawn from the dataset gets a sequence number and
+stays *pending* until the trainer consumes its group (or the filter drops it for good).
+The state holds the dataset position as of the last sample drawn plus the uids of all
+pending samples, in draw order. On resume those uids are issued first, then the dataset
+continues where it stood: each sample is trained exactly once across the restart, none
+skipped, none repeated. The dataset position and the pending set change together under
+one lock, so a snapshot is always consistent. The saved staleness counters count only
+consumed groups as accepted (the regenerated ones will be accepted again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from realscale.data.dataset import PromptSample
+from realscale.rollout.staleness import StalenessManager
+from realscale.rollout.types import Group
+from realscale.rollout.workflows import Workflow
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """Rollouts cannot go on (servers gone, controller stopped)."""
+
+
+class RolloutExhausted(RolloutError):
+    """The dataset ran out before the requested batch could be filled."""
+
+
+class RolloutController:
+    """Asynchronous rollouts for a synchronous trainer.
+
+    Args:
+        client: a factory returning an (unstarted) InferenceClient, or server URLs.
+        dataset: yields :class:`PromptSample` s; ``state_dict``/``load_state_dict`` for
+            checkpoints, ``samples`` to find pending samples again by uid on resume.
+        workflow: turns one sample into its group (``run_episode``).
+        staleness: the capacity rule (batch size B, bound η, most prompts in flight).
+        filter_all_equal: drop groups whose rewards are all equal (DAPO).
+        max_consecutive_failures: failed episodes in a row before get_batch raises.
+        retry_backoff: seconds before a failed prompt is tried again (doubles per
+            consecutive failure, at most 30 s).
+        version: the weight version the servers start at.
+        client_kwargs: InferenceClient options when ``client`` is a list of URLs.
+    """
+
+    def __init__(self, client: Callable[[], Any] | Sequence[str], dataset: Any, workflow: Workflow,
+                 staleness: StalenessManager, *, filter_all_equal: bool = False, max_consecutive_failures: int = 8,
+                 retry_backoff: float = 0.5, version: int = 0, client_kwargs: dict[str, Any] | None = None) -> None:
+        if max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1, got {max_consecutive_failures}")
+        self._client_factory = _client_factory(client, client_kwargs or {})
+        self.dataset = dataset
+        self.workflow = workflow
+        self.staleness = staleness
+        self.filter_all_equal = filter_all_equal
+        self.max_consecutive_failures = int(max_consecutive_failures)
+        self.retry_backoff = float(retry_backoff)
+        self.client: Any = None
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._version = int(version)
+        self._paused = False
+        self._iter: Iterator[PromptSample] | None = None
+        self._exhausted = False
+        self._seq = 0
+        self._pending: dict[int, PromptSample] = {}  # drawn, not yet consumed: seq -> sample
+        self._requeue: list[tuple[int, PromptSample]] = []  # heap by seq: oldest re-issued first
+        self._delayed = 0  # failed prompts waiting out their back-off
+        self._buffer: collections.deque[tuple[int, Group]] = collections.deque()
+        self._consumed = 0
+        self._rejected: collections.Counter[str] = collections.Counter()
+        self._failures: collections.Counter[str] = collections.Counter()
+        self._consecutive_failures = 0
+        self._last_error: BaseException | None = None
+        self._fatal: RolloutError | None = None
+        self._lag_hist: collections.Counter[int] = collections.Counter()
+        self._submit_versions: collections.Counter[int] = collections.Counter()
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: asyncio.Event | None = None
+        self._main: asyncio.Future | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._started = False
+        self._stopped = False
+
+    # ================================================================== trainer API
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the loop thread, the client, and submitting prompts."""
+        if self._started:
+            raise RuntimeError("RolloutController.start: already started")
+        self._started = True
+        self._iter = iter(self.dataset)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-controller", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._open_client(), self._loop).result(timeout)
+        self._main = asyncio.run_coroutine_threadsafe(self._submit_loop(), self._loop)
+        self._main.add_done_callback(self._on_main_done)
+
+    def get_batch(self, num_groups: int, timeout: float | None = None) -> list[Group]:
+        """The ``num_groups`` oldest accepted groups; blocks up to ``timeout`` seconds
+        (None: forever). Raises TimeoutError, RolloutError, or RolloutExhausted."""
+        if num_groups < 1:
+            raise ValueError(f"get_batch: num_groups must be >= 1, got {num_groups}")
+        self._require_started("get_batch")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                if len(self._buffer) >= num_groups:
+                    return self._take(num_groups)
+                if self._stopped:
+                    raise RolloutError("get_batch: the rollout controller was stopped")
+                if self._exhausted and not self._pending_work():
+                    raise RolloutExhausted(f"get_batch: the dataset is exhausted; {len(self._buffer)} of "
+                                           f"{num_groups} groups are ready and no more will come")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"get_batch: {len(self._buffer)} of {num_groups} groups ready after "
+                                       f"{timeout} s ({self.staleness.running} prompts running)")
+                self._cond.wait(left)
+
+    def set_version(self, version: int) -> None:
+        """The servers now run weight version ``version``: capacity grows, and buffered
+        groups that can no longer be trained within the bound are re-queued."""
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"set_version: version went back from {self._version} to {version}")
+            self._version = int(version)
+            self._evict_stale_locked()
+        self._poke()
+
+    def pause(self) -> None:
+        """Stop submitting new prompts (in-flight episodes go on); for weight updates."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Submit prompts again."""
+        with self._lock:
+            self._paused = False
+        self._poke()
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
+        """Run coroutine ``fn(client)`` on the controller's loop and wait for its result,
+        e.g. ``ctl.call(lambda c: c.pause())`` around a weight update."""
+        self._require_started("call")
+        return asyncio.run_coroutine_threadsafe(_await(fn, self.client), self._loop).result(timeout)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the step log (a snapshot)."""
+        with self._lock:
+            st = self.staleness
+            return {"version": self._version, "submitted": st.submitted, "accepted": st.accepted,
+                    "rejected": sum(self._rejected.values()), "rejected_by_reason": dict(self._rejected),
+                    "failures": sum(self._failures.values()), "failures_by_type": dict(self._failures),
+                    "running": st.running, "buffer": len(self._buffer), "consumed": self._consumed,
+                    "requeued": len(self._requeue) + self._delayed, "capacity": st.capacity(self._version),
+                    "paused": self._paused, "exhausted": self._exhausted,
+                    "staleness_hist": dict(sorted(self._lag_hist.items())),
+                    "submitted_by_version": dict(sorted(self._submit_versions.items()))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Dataset position + pending sample uids + counters (see the module docstring)."""
+        with self._lock:
+            stale = self.staleness.state_dict()
+            stale["accepted"] -= len(self._buffer)  # buffered groups are regenerated on resume
+            return {"dataset": self.dataset.state_dict(),
+                    "pending_uids": [s.uid for _, s in sorted(self._pending.items(), key=lambda kv: kv[0])],
+                    "staleness": stale, "version": self._version, "consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (before :meth:`start`)."""
+        if self._started:
+            raise RuntimeError("RolloutController.load_state_dict: call it before start()")
+        by_uid = _uid_index(self.dataset, state["pending_uids"])
+        self.dataset.load_state_dict(state["dataset"])
+        self.staleness.load_state_dict(state["staleness"])
+        self._version = int(state["version"])
+        self._consumed = int(state.get("consumed", 0))
+        self._pending.clear()
+        self._requeue = []
+        for seq, uid in enumerate(state["pending_uids"]):
+            self._pending[seq] = by_uid[uid]
+            self._requeue.append((seq, by_uid[uid]))  # ascending seq: already a heap
+        self._seq = len(state["pending_uids"])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel in-flight episodes, close the client, end the loop thread."""
+        if not self._started or self._stopped:
+            self._stopped = True
+            return
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> "RolloutController":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ================================================================== loop side
+
+    async def _open_client(self) -> None:
+        self._wake = asyncio.Event()
+        self.client = self._client_factory()
+        await self.client.start()
+
+    async def _submit_loop(self) -> None:
+        """Top up to capacity whenever something changes; runs until stop()."""
+        while not self._stopped:
+            for sample_seq in self._draw():
+                seq, sample, version = sample_seq
+                task = asyncio.get_running_loop().create_task(self._episode(seq, sample, version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await self._wake.wait()
+            self._wake.clear()
+
+    def _draw(self) -> list[tuple[int, PromptSample, int]]:
+        """Samples to submit now (requeued first), registered as running."""
+        out = []
+        with self._lock:
+            if self._paused or self._fatal is not None:
+                return out
+            for _ in range(self.staleness.capacity(self._version)):
+                item = self._next_sample_locked()
+                if item is None:
+                    break
+                self.staleness.on_submit()
+                self._submit_versions[self._version] += 1
+                out.append((*item, self._version))
+        return out
+
+    def _next_sample_locked(self) -> tuple[int, PromptSample] | None:
+        if self._requeue:
+            return heapq.heappop(self._requeue)
+        if self._exhausted:
+            return None
+        try:
+            sample = next(self._iter)
+        except StopIteration:
+            self._exhausted = True
+            self._cond.notify_all()  # a waiting get_batch may now know it cannot be served
+            return None
+        seq, self._seq = self._seq, self._seq + 1
+        self._pending[seq] = sample
+        return seq, sample
+
+    async def _episode(self, seq: int, sample: PromptSample, version: int) -> None:
+        try:
+            trajectories = await self.workflow.run_episode(self.client, sample)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one episode's failure must not stop the run
+            self._on_failure(seq, sample, exc)
+            return
+        group = Group(trajectories, uid=sample.uid, submit_version=version)
+        verdict = self._verdict(group)
+        if group.min_version < version:
+            self._set_fatal(RolloutError(
+                f"a server tagged tokens of {sample.uid or '?'} with weight version {group.min_version}, but the "
+                f"prompt was submitted at version {version}: call set_version(v) only after every server runs "
+                f"version v (a server that missed a weight update must be updated before it serves again)"))
+            return
+        with self._cond:
+            self._consecutive_failures = 0
+            if verdict == "accept" and self._too_stale_locked(group):
+                verdict = "stale"
+            if verdict == "accept":
+                self.staleness.on_accept()
+                self._buffer.append((seq, group))
+                self._cond.notify_all()
+            else:
+                self.staleness.on_reject()
+                self._rejected[verdict] += 1
+                if verdict == "stale":
+                    heapq.heappush(self._requeue, (seq, sample))
+                else:
+                    self._pending.pop(seq, None)  # filtered for good: this sample is done
+        self._wake.set()
+
+    def _verdict(self, group: Group) -> str:
+        """'accept' or the filter's reason to drop the group."""
+        if self.filter_all_equal and len(group) > 0:
+            import torch
+
+            from realscale.algo.filtering import dynamic_sampling_filter
+
+            result = dynamic_sampling_filter(torch.tensor(group.rewards, dtype=torch.float64), len(group))
+            if result.n_all_equal:
+                return "all_equal"
+        return "accept"
+
+    def _set_fatal(self, error: RolloutError) -> None:
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = error
+            self._cond.notify_all()
+
+    def _on_failure(self, seq: int, sample: PromptSample, exc: Exception) -> None:
+        with self._cond:
+            self.staleness.on_reject()
+            self._failures[type(exc).__name__] += 1
+            self._consecutive_failures += 1
+            self._last_error = exc
+            n = self._consecutive_failures
+            if n >= self.max_consecutive_failures and self._fatal is None:
+                self._fatal = RolloutError(f"{n} episodes failed in a row; the generation servers look "
+                                           f"unreachable. Last error: {type(exc).__name__}: {exc}")
+                self._fatal.__cause__ = exc
+                self._cond.notify_all()
+            self._delayed += 1
+        log.warning("episode for %s failed (%r); retrying it", sample.uid or "?", exc)
+        delay = min(30.0, self.retry_backoff * 2 ** (n - 1))
+        self._loop.call_later(delay, self._requeue_after_backoff, seq, sample)
+
+    def _on_main_done(self, fut: Any) -> None:
+        """A crash of the submit loop is a bug; surface it to the trainer, never hang."""
+        if fut.cancelled() or fut.exception() is None:
+            return
+        with self._cond:
+            self._fatal = RolloutError(f"the rollout submit loop crashed: {fut.exception()!r}")
+            self._fatal.__cause__ = fut.exception()
+            self._cond.notify_all()
+
+    def _requeue_after_backoff(self, seq: int, sample: PromptSample) -> None:
+        with self._lock:
+            self._delayed -= 1
+            heapq.heappush(self._requeue, (seq, sample))
+        self._wake.set()
+
+    async def _shutdown(self) -> None:
+        self._wake.set()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._main is not None:
+            await asyncio.gather(asyncio.wrap_future(self._main), return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+
+    # ================================================================== helpers (lock held)
+
+    def _too_stale_locked(self, group: Group) -> bool:
+        return self._version - group.min_version > self.staleness.max_staleness
+
+    def _evict_stale_locked(self) -> None:
+        keep: collections.deque[tuple[int, Group]] = collections.deque()
+        for seq, group in self._buffer:
+            if self._too_stale_locked(group):
+                self.staleness.on_discard()
+                self._rejected["stale"] += 1
+                heapq.heappush(self._requeue, (seq, self._pending[seq]))
+            else:
+                keep.append((seq, group))
+        self._buffer = keep
+
+    def _take(self, n: int) -> list[Group]:
+        groups = []
+        for _ in range(n):
+            seq, group = self._buffer.popleft()
+            self._pending.pop(seq, None)
+            self._lag_hist[self._version - group.min_version] += 1
+            groups.append(group)
+        self._consumed += n
+        return groups
+
+    def _pending_work(self) -> bool:
+        return bool(self.staleness.running or self._requeue or self._delayed)
+
+    def _poke(self) -> None:
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _require_started(self, what: str) -> None:
+        if not self._started:
+            raise RuntimeError(f"RolloutController.{what}: call start() first")
+
+
+# ====================================================================== module helpers
+
+
+async def _await(fn: Callable[[Any], Any], client: Any) -> Any:
+    return await fn(client)
+
+
+def _client_factory(client: Callable[[], Any] | Sequence[str], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    if callable(client):
+        return client
+    urls = [client] if isinstance(client, str) else list(client)
+    if not urls:
+        raise ValueError("RolloutController: no server URLs")
+
+    def make() -> Any:
+        from realscale.generate.client import InferenceClient
+
+        return InferenceClient(urls, **kwargs)
+
+    return make
+
+
+def _uid_index(dataset: Any, uids: list[str]) -> dict[str, PromptSample]:
+    """Samples by uid, for re-issuing pending samples on resume."""
+    samples = getattr(dataset, "samples", None)
+    if samples is None:
+        raise TypeError(f"{type(dataset).__name__} has no 'samples'; the controller needs it to find the "
+                        "pending samples of a checkpoint again")
+    index = {s.uid: s for s in samples}
+    missing = [u for u in uids if u not in index]
+    if missing:
+        raise ValueError(f"checkpoint's pending samples {missing[:5]} are not in this dataset "
+                         f"({len(missing)} missing); is it the same data source?")
+    return index

@@ -180,6 +180,9 @@ class RolloutConfig:
     max_concurrent: int = knob(32, "Most prompts in flight at once across all servers.")
     workflow: str = knob("single_turn", "Rollout workflow: single_turn or multi_turn.")
     filter_all_equal: bool = knob(False, "Dynamic sampling: drop groups whose rewards are all equal.")
+    max_turns: int = knob(4, "Multi-turn workflow: most model turns per episode.")
+    reward_timeout: float = knob(30.0, "Seconds a reward (or environment call) may take before it scores 0 as 'timeout'.")
+    max_consecutive_failures: int = knob(8, "Failed episodes in a row (servers unreachable) before the trainer gets an error.")
 
     def __post_init__(self) -> None:
         _positive("rollout", "batch_size", self.batch_size)
@@ -187,6 +190,9 @@ class RolloutConfig:
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("rollout", "max_concurrent", self.max_concurrent)
         _one_of("rollout", "workflow", self.workflow, ("single_turn", "multi_turn"))
+        _positive("rollout", "max_turns", self.max_turns)
+        _positive("rollout", "reward_timeout", self.reward_timeout)
+        _positive("rollout", "max_consecutive_failures", self.max_consecutive_failures)
 
 
 @dataclass
@@ -225,6 +231,10 @@ class DataConfig:
     size: int = knob(2048, "Number of procedural samples (gym sources only).")
     shuffle: bool = knob(True, "Shuffle deterministically each epoch (seeded by run.seed).")
     max_prompt_tokens: int = knob(256, "Prompts longer than this are skipped and counted.")
+    task_max_operand: int = knob(99, "task:arith sources: operands range over 0..task_max_operand.")
+    task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
+    task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
+    task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
 
 
 @dataclass
@@ -247,6 +257,31 @@ class RewardConfig:
 
 
 @dataclass
+class SFTConfig:
+    """The warm start (``realscale sft``): next-token NLL on the task's answers, Megatron engine."""
+
+    base_model: str = knob("", "Start from this HF directory; empty: build a fresh tiny Qwen2 of the size below.")
+    hidden_size: int = knob(128, "Fresh model: hidden size.")
+    num_layers: int = knob(4, "Fresh model: transformer layers.")
+    num_heads: int = knob(4, "Fresh model: attention heads.")
+    num_kv_heads: int = knob(2, "Fresh model: key/value heads (grouped-query attention).")
+    intermediate_size: int = knob(384, "Fresh model: MLP width.")
+    steps: int = knob(300, "Optimizer steps.")
+    batch_size: int = knob(64, "Sequences (prompt + answer) per step.")
+    lr: float = knob(3e-3, "Peak learning rate (linear warmup, then cosine to lr/10).")
+    warmup_steps: int = knob(20, "Linear warmup steps.")
+    output: str = knob("", "Directory of the warm-started HF model; empty: <run dir>/sft.")
+    eval_size: int = knob(200, "Held-out problems scored after training (0: skip the evaluation).")
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "steps",
+                     "batch_size", "lr"):
+            _positive("sft", name, getattr(self, name))
+        _positive("sft", "warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("sft", "eval_size", self.eval_size, allow_zero=True)
+
+
+@dataclass
 class Config:
     """The root of the tree: one section per subsystem."""
 
@@ -260,6 +295,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 # --------------------------------------------------------------------------- schema walking

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
     "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
+    "sft": ("realscale.commands.sft", "warm-start a tiny Qwen2 on the default task (masked NLL on the Megatron engine)"),
+    "eval": ("realscale.commands.eval", "held-out accuracy of a model directory on the task (embedded generation engine)"),
 }
 
 

@@ -1,0 +1,164 @@
+"""The warm start: supervised fine-tuning on the task's answers (``realscale sft``).
+
+RL with a binary reward learns nothing from a policy that is never right. The default
+recipe therefore starts from a small Qwen2-architecture model trained here, from random
+weights, on the task's training split: next-token NLL on the answer tokens (and EOS) only,
+the prompt masked out, on the same :class:`~realscale.train.engine.MegatronEngine` the RL
+trainer uses. It stops early on purpose (``sft.steps``): the default settings leave the
+model at a middling held-out accuracy, so that RL has signal (groups with right and wrong
+samples) and room to climb.
+
+Training runs in one spawned gloo process (world size 1), so the caller's process never
+holds Megatron's global state; the result is an HF directory (``save_hf`` plus the
+tokenizer files) that the generation servers and the RL trainer load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+from realscale.config import Config
+from realscale.tasks.arith import ArithTask, Problem, encode_example, task_from_config
+
+MODEL_FAMILY = "qwen2"
+# The packed micro-batch budget: attention on CPU is dense over a packed row, so short
+# rows (a few hundred tokens) cost far less than one row holding the whole batch.
+SFT_MICRO_BATCH_TOKENS = 512
+
+
+@dataclass
+class SFTResult:
+    """What :func:`run_sft` produced."""
+
+    model_dir: str
+    steps: int
+    first_loss: float
+    last_loss: float
+    train_seconds: float
+    total_seconds: float
+    heldout_accuracy: float | None
+
+
+def sft_output_dir(cfg: Config) -> str:
+    from realscale.config import run_dir
+
+    return cfg.sft.output or os.path.join(run_dir(cfg), "sft")
+
+
+def build_base_model(cfg: Config, out_dir: str) -> str:
+    """``sft.base_model`` when set; otherwise a fresh seeded tiny Qwen2 of the ``sft`` size in ``out_dir``."""
+    from realscale.models.tiny import build_tiny_model, resolve_model_path
+
+    s = cfg.sft
+    if s.base_model:
+        return resolve_model_path(s.base_model)
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir  # already built by an earlier call with this run directory
+    return build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
+                            num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                            intermediate_size=s.intermediate_size, seed=cfg.run.seed)
+
+
+def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int) -> Iterator[Any]:
+    """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
+    repeated within an epoch."""
+    import numpy as np
+
+    from realscale.train.batch import PackedBatch
+
+    if not problems:
+        raise ValueError("sft: the training split is empty")
+    encoded = [encode_example(tokenizer, p) for p in problems]
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        while len(order) < batch_size:
+            order += rng.permutation(len(encoded)).tolist()
+        take, order = order[:batch_size], order[batch_size:]
+        yield PackedBatch.from_sequences([encoded[i][0] for i in take],
+                                         {"loss_mask": [_tensor(encoded[i][1]) for i in take]})
+
+
+def _tensor(values: list[float]) -> Any:
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def nll_loss(logp: Any, mb: Any, normalizer: Any) -> tuple[Any, dict[str, Any]]:
+    """Masked next-token NLL; ``normalizer`` is the batch's count of answer tokens, so the
+    micro-batch losses sum to the batch's token-mean NLL."""
+    mask = mb.fields["loss_mask"].to(logp.dtype)
+    loss = -(logp * mask).sum() / normalizer
+    return loss, {}
+
+
+def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
+    """One rank of SFT (spawned): train ``sft.steps`` steps, write the HF directory."""
+    from transformers import AutoTokenizer
+
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    s = cfg.sft
+    ec = EngineConfig(model_path=base_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, lr=s.lr, min_lr=s.lr / 10,
+                      warmup_steps=s.warmup_steps, schedule="cosine", total_steps=s.steps, clip_grad=1.0,
+                      max_tokens_per_micro_batch=SFT_MICRO_BATCH_TOKENS, weight_decay=0.0)
+    engine = MegatronEngine(ec)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    train = task_from_config(cfg.data).split("train")
+    losses = []
+    start = time.perf_counter()
+    for step, batch in enumerate(batches(tok, train, s.batch_size, s.steps, cfg.run.seed), start=1):
+        stats = engine.train_step(batch, nll_loss)
+        losses.append(stats["loss"])
+        if step == 1 or step % 25 == 0 or step == s.steps:
+            print(f"sft step {step}/{s.steps}: nll {stats['loss']:.4f} lr {stats['lr']:.2e} "
+                  f"grad_norm {stats['grad_norm']:.3f} ({time.perf_counter() - start:.1f} s)", flush=True)
+    seconds = time.perf_counter() - start
+    engine.save_hf(out_dir)
+    _copy_chat_template(base_dir, out_dir)
+    return {"losses": losses, "seconds": seconds}
+
+
+def _copy_chat_template(src: str, dst: str) -> None:
+    """transformers 5 keeps the chat template in ``chat_template.jinja``, which
+    ``save_hf`` does not copy; without it the prompt layout (and the answers) break."""
+    import shutil
+
+    for name in os.listdir(src):
+        if name.startswith("chat_template"):
+            shutil.copy(os.path.join(src, name), dst)
+
+
+def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
+    """Build (or take) the base model, fine-tune it, save it, and score it on the held-out split."""
+    from realscale.config import save_config
+    from realscale.parallel.spawn import run_distributed
+
+    start = time.perf_counter()
+    task: ArithTask = task_from_config(cfg.data)  # validates the task knobs before any work
+    out_dir = sft_output_dir(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    save_config(cfg, out_dir)
+    base_dir = build_base_model(cfg, os.path.join(out_dir, "base"))
+    result = run_distributed(_train_rank, 1, cfg, base_dir, out_dir, timeout=timeout)[0]
+    accuracy = None
+    if cfg.sft.eval_size:
+        from realscale.eval import evaluate, write_result
+
+        heldout = task.split("heldout")[: cfg.sft.eval_size]
+        ev = evaluate(out_dir, heldout, seed=cfg.run.seed)
+        write_result(ev, os.path.join(out_dir, "eval.json"))
+        print(f"sft held-out: {ev.summary()}", flush=True)
+        accuracy = ev.accuracy
+    losses = result["losses"]
+    out = SFTResult(model_dir=out_dir, steps=len(losses), first_loss=losses[0], last_loss=losses[-1],
+                    train_seconds=result["seconds"], total_seconds=time.perf_counter() - start,
+                    heldout_accuracy=accuracy)
+    with open(os.path.join(out_dir, "sft.json"), "w", encoding="utf-8") as fh:
+        json.dump({**asdict(out), "losses": losses}, fh, indent=2)
+    return out

@@ -1,0 +1,157 @@
+"""Two-operand integer arithmetic: the default recipe's task.
+
+A problem is ``a <op> b`` with ``0 <= a, b <= max_operand`` and ``op`` in ``ops``
+(``+``, ``-``; subtraction only with ``a >= b`` so every answer is a plain non-negative
+integer). The prompt is the bare expression, ``"47+38="``; the answer is the number,
+``"85"``. Every problem of the space is enumerated in a fixed order and permuted once by
+``seed``: the first ``heldout_size`` are the held-out split, the rest the training split.
+Splits are therefore disjoint and identical on every machine and run with that seed.
+
+Token layout, shared by SFT, the RL workflow and evaluation (so an answer learnt in SFT is
+what the RL reward and the evaluator extract):
+
+- prompt: the tokenizer's chat template over one user message with
+  ``add_generation_prompt=True`` (``<|im_start|>user\\n47+38=<|im_end|>\\n<|im_start|>assistant\\n``);
+- completion: the answer's tokens then the EOS token (``85<|endoftext|>``). The generation
+  servers stop on the model's EOS, and the math reward takes the final number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TASK_PREFIX = "task:"
+OPS = ("+", "-")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic problem."""
+
+    a: int
+    op: str
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b if self.op == "+" else self.a - self.b)
+
+
+@dataclass(frozen=True)
+class ArithTask:
+    """The problem space and its seeded train / held-out split."""
+
+    max_operand: int = 99
+    ops: str = "+"
+    heldout_size: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ValueError(f"arith task: max_operand must be >= 1, got {self.max_operand}")
+        bad = [op for op in self.ops if op not in OPS]
+        if not self.ops or bad:
+            raise ValueError(f"arith task: ops must be a non-empty string of {''.join(OPS)!r}, got {self.ops!r}")
+        total = len(self.all_problems())
+        if not 0 < self.heldout_size < total:
+            raise ValueError(f"arith task: heldout_size must be in 1..{total - 1} (the space has {total} "
+                             f"problems), got {self.heldout_size}")
+
+    def all_problems(self) -> list[Problem]:
+        """Every problem of the space, in a fixed order (ops, then a, then b)."""
+        n = self.max_operand + 1
+        out = []
+        for op in dict.fromkeys(self.ops):  # dedupe, keep order: "++" is the same space as "+"
+            out += [Problem(a, op, b) for a in range(n) for b in range(n) if op == "+" or a >= b]
+        return out
+
+    def split(self, name: str) -> list[Problem]:
+        """``"train"`` or ``"heldout"``: disjoint, deterministic given ``seed``."""
+        if name not in ("train", "heldout"):
+            raise ValueError(f"arith task: split must be 'train' or 'heldout', got {name!r}")
+        problems = self.all_problems()
+        order = np.random.default_rng(self.seed).permutation(len(problems))
+        picked = order[: self.heldout_size] if name == "heldout" else order[self.heldout_size:]
+        return [problems[i] for i in picked]
+
+
+TASKS: dict[str, type[ArithTask]] = {"arith": ArithTask}
+
+
+def task_from_config(data_cfg: Any) -> ArithTask:
+    """The task a :class:`realscale.config.DataConfig` describes (its ``task_*`` knobs)."""
+    return ArithTask(max_operand=data_cfg.task_max_operand, ops=data_cfg.task_ops,
+                     heldout_size=data_cfg.task_heldout, seed=data_cfg.task_seed)
+
+
+def write_jsonl(problems: list[Problem], path: str) -> str:
+    """Rows ``{"prompt", "answer", "metadata"}`` (the PromptDataset schema), written atomically."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for p in problems:
+            row = {"prompt": p.prompt, "answer": p.answer, "metadata": {"task": "arith", "a": p.a, "op": p.op, "b": p.b}}
+            fh.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_task_source(source: str, task: ArithTask, out_dir: str, split: str = "train") -> str:
+    """``task:arith`` -> ``<out_dir>/arith-<split>.jsonl`` (written now); any other source unchanged.
+
+    The RL trainer calls this on ``data.source`` so the existing JSONL reader serves the
+    task: no second dataset code path.
+    """
+    if not source.startswith(TASK_PREFIX):
+        return source
+    name = source[len(TASK_PREFIX):]
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r} in data.source {source!r}; known: {', '.join(TASKS)}")
+    return write_jsonl(task.split(split), os.path.join(out_dir, f"{name}-{split}.jsonl"))
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt as the RL workflow sends it: chat template, generation prompt appended."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
+    return [int(i) for i in ids]
+
+
+def encode_example(tokenizer: Any, problem: Problem) -> tuple[list[int], list[float]]:
+    """(token ids, loss mask) of prompt + answer + EOS; the mask is 1 on answer and EOS tokens.
+
+    The mask follows the engine's log-prob alignment (``logp[j]`` predicts token ``j``),
+    so it marks exactly the tokens the model must produce after the prompt.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token; the answer could never end")
+    head = prompt_ids(tokenizer, problem.prompt)
+    tail = [int(i) for i in tokenizer(problem.answer, add_special_tokens=False)["input_ids"]]
+    tail.append(int(tokenizer.eos_token_id))
+    return head + tail, [0.0] * len(head) + [1.0] * len(tail)
+
+
+def is_correct(completion: str, reference: str) -> bool:
+    """The RL reward's verdict, in process: final answer extracted as the math reward does,
+    compared exactly. Answers of this task are integers, which the reward's fast path
+    always decides; anything it cannot decide is not an integer, hence wrong."""
+    from realscale.reward.math_extract import extract_answer
+    from realscale.reward.math_fast import fast_check
+
+    found = extract_answer(completion)
+    if found is None:
+        return False
+    return bool(fast_check(reference, found[0]))

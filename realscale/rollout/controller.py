@@ -154,8 +154,7 @@ class RolloutController:
                                            f"{num_groups} groups are ready and no more will come")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"get_batch: {len(self._buffer)} of {num_groups} groups ready after "
-                                       f"{timeout} s ({self.staleness.running} prompts running)")
+                    raise TimeoutError(self._timeout_message(num_groups, timeout))
                 self._cond.wait(left)
 
     def set_version(self, version: int) -> None:
@@ -417,6 +416,18 @@ class RolloutController:
             groups.append(group)
         self._consumed += n
         return groups
+
+    def _timeout_message(self, num_groups: int, timeout: float | None) -> str:
+        st = self.staleness
+        msg = (f"get_batch: {len(self._buffer)} of {num_groups} groups ready after {timeout} s "
+               f"({st.running} prompts running, version {self._version})")
+        if not st.running and st.capacity(self._version) == 0 and not self._paused:
+            msg += (f"; the staleness rule allows no more prompts at version {self._version} "
+                    f"({st.accepted} accepted of {st.limit(self._version)}): call set_version() after each "
+                    "weight update")
+        elif self._paused:
+            msg += "; the controller is paused: call resume()"
+        return msg
 
     def _pending_work(self) -> bool:
         return bool(self.staleness.running or self._requeue or self._delayed)

@@ -79,8 +79,12 @@ class _SampledWorkflow:
     async def run_episode(self, client: Any, sample: PromptSample) -> list[Trajectory]:
         """``n_samples`` trajectories for ``sample``; one failing sample cancels its siblings."""
         ids = prompt_ids(self.tokenizer, sample.prompt)
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._one(client, sample, ids)) for _ in range(self.n_samples)]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._one(client, sample, ids)) for _ in range(self.n_samples)]
+        except ExceptionGroup as group:
+            # The caller counts failures by type: hand it the first real error, not the wrapper.
+            raise group.exceptions[0] from group
         return [t.result() for t in tasks]
 
     async def _one(self, client: Any, sample: PromptSample, ids: list[int]) -> Trajectory:

@@ -154,16 +154,44 @@ class RankContext:
         return self.rank == 0
 
 
-def _controller(ctx: RankContext, model_dir: str) -> Any:
-    """The rollout controller (rank 0 only)."""
-    from realscale.rollout.controller import build_controller
+def make_controller(cfg: Config, model_dir: str, server_urls: list[str], out_dir: str) -> Any:
+    """The rollout controller (rank 0 only): dataset -> workflow -> servers -> buffer."""
+    import inspect
 
-    return build_controller(ctx.cfg, model_dir, ctx.server_urls, ctx.out_dir)
+    from transformers import AutoTokenizer
+
+    from realscale.data.dataset import from_config as dataset_from_config
+    from realscale.rollout.controller import RolloutController
+    from realscale.rollout.rewards import reward_fn_for
+    from realscale.rollout.staleness import StalenessManager
+    from realscale.rollout.workflows import SingleTurnWorkflow, sampling_params_from_config
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data_cfg = cfg.data
+    if data_cfg.source.startswith("task:"):
+        from realscale.tasks.arith import resolve_task_source, task_from_config
+
+        source = resolve_task_source(data_cfg.source, task_from_config(data_cfg), os.path.join(out_dir, "data"))
+        data_cfg = type(data_cfg)(**{**asdict(data_cfg), "source": source})
+    dataset = dataset_from_config(data_cfg, seed=cfg.run.seed, prompt_len=lambda t: len(tokenizer.encode(t)))
+
+    async def reward(prompt: str, completion: str, sample: Any) -> Any:
+        out = reward_fn_for(cfg.reward, sample)(prompt, completion, sample)
+        return await out if inspect.isawaitable(out) else out
+
+    if cfg.rollout.workflow != "single_turn":
+        raise ValueError(f"rollout.workflow={cfg.rollout.workflow!r}: the trainer wires single_turn; "
+                         "multi_turn needs an environment factory (see realscale.rollout.workflows)")
+    workflow = SingleTurnWorkflow(tokenizer, cfg.rollout.n_samples, sampling_params_from_config(cfg.generate),
+                                  reward, reward_timeout=cfg.reward.timeout * 4)
+    staleness = StalenessManager(cfg.rollout.batch_size, cfg.rollout.max_staleness, cfg.rollout.max_concurrent)
+    return RolloutController(server_urls, dataset, workflow, staleness, filter_all_equal=cfg.rollout.filter_all_equal,
+                             client_kwargs={"request_timeout": cfg.generate.request_timeout})
 
 
-def _call(ctx: RankContext, coro: Any) -> Any:
-    """Run a client coroutine on the controller's event loop and wait for it."""
-    return ctx.controller.run_coroutine(coro)
+def _call(ctx: RankContext, fn: Any) -> Any:
+    """Run ``fn(client)`` (a coroutine) on the controller's event loop and wait for it."""
+    return ctx.controller.call(fn)
 
 
 def push_weights(ctx: RankContext) -> dict[str, float]:
@@ -175,23 +203,23 @@ def push_weights(ctx: RankContext) -> dict[str, float]:
     sent = 0
     if ctx.is_driver:
         ctx.controller.pause()
-        _call(ctx, ctx.controller.client.pause(cfg.generate.pause_mode))
+        _call(ctx, lambda c: c.pause(cfg.generate.pause_mode))
     if cfg.generate.weight_update == "disk":
         path = os.path.join(ctx.out_dir, "weights", f"v{new_version}")
         ctx.engine.save_hf(path)
         if ctx.is_driver:
-            _call(ctx, ctx.controller.client.update_weights_from_disk(path, weight_version=new_version))
+            _call(ctx, lambda c: c.update_weights_from_disk(path, weight_version=new_version))
     else:
         buckets = ctx.engine.export_hf_weights(bucket_bytes=64 << 20)
         if ctx.is_driver:
-            sent = _call(ctx, ctx.controller.client.update_weights(ctx.sender, buckets, weight_version=new_version))
+            sent = _call(ctx, lambda c: c.update_weights(ctx.sender, buckets, weight_version=new_version))
         else:
             for _ in buckets:  # take part in the gathers; only rank 0 sends
                 pass
     ctx.version = new_version
     if ctx.is_driver:
         ctx.controller.set_version(new_version)
-        _call(ctx, ctx.controller.client.resume())
+        _call(ctx, lambda c: c.resume())
         ctx.controller.resume()
     return {"perf/weight_sync_s": time.perf_counter() - start, "perf/weight_sync_bytes": float(sent)}
 
@@ -204,7 +232,7 @@ def connect_weight_sender(ctx: RankContext) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     ctx.sender = WeightSender("127.0.0.1", free_port(), world_size=len(ctx.server_urls) + 1,
                               group_name="realscale-weights", backend=backend)
-    _call(ctx, ctx.controller.client.init_weights_update_group(ctx.sender))
+    _call(ctx, lambda c: c.init_weights_update_group(ctx.sender))
 
 
 def train_one_step(ctx: RankContext) -> dict[str, float]:
@@ -218,7 +246,6 @@ def train_one_step(ctx: RankContext) -> dict[str, float]:
         batch, stats = groups_to_batch(groups, cfg.algo)
         lags = [ctx.version - g.min_version for g in groups]
         stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
-        ctx.controller.record_trained(groups, ctx.version)
     t_wait = time.perf_counter() - t0
     batch = broadcast_batch(batch)
     r = ctx.engine.ranks
@@ -280,10 +307,11 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
         ctx.step, ctx.version = int(extra["step"]), int(extra["version"])
     logger = None
     if ctx.is_driver:
-        ctx.controller = _controller(ctx, model_dir)
+        ctx.controller = make_controller(cfg, model_dir, server_urls, out_dir)
         if "controller" in extra:
             ctx.controller.load_state_dict(extra["controller"])
-        ctx.controller.set_version(ctx.version)
+        ctx.controller.pause()  # nothing is generated until the servers hold this run's weights
+        ctx.controller.start()
         if cfg.generate.weight_update == "distributed":
             connect_weight_sender(ctx)
         from realscale.metrics import MetricsLogger
@@ -295,8 +323,8 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
             # the servers started from the base model: give them the checkpoint's weights
             ctx.version -= 1
             push_weights(ctx)
-        if ctx.is_driver:
-            ctx.controller.start()
+        elif ctx.is_driver:
+            ctx.controller.resume()
         while ctx.step < cfg.run.total_steps:
             stats = train_one_step(ctx)
             if logger is not None and ctx.step % cfg.run.log_every == 0:
@@ -309,7 +337,7 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
     finally:
         if ctx.is_driver:
             if ctx.controller is not None:
-                hist = ctx.controller.staleness_histogram()
+                hist = ctx.controller.stats()["staleness_hist"]
                 with open(os.path.join(out_dir, "staleness_hist.json"), "w", encoding="utf-8") as fh:
                     json.dump({str(k): v for k, v in hist.items()}, fh)
                 ctx.controller.stop()
@@ -327,10 +355,11 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
 
 
 def prepare_model(cfg: Config, out_dir: str) -> str:
-    """The policy's HF directory: the SFT warm start when ``sft.enabled``, else model.path."""
+    """The policy's HF directory: ``model.path: sft`` means the warm start of the ``sft``
+    section (run now unless already there); anything else is a directory or tiny name."""
     from realscale.models.tiny import resolve_model_path
 
-    if getattr(cfg, "sft", None) is not None and cfg.sft.enabled:
+    if cfg.model.path == "sft":
         from realscale.sft import run_sft, sft_output_dir
 
         target = sft_output_dir(cfg)

@@ -119,6 +119,15 @@ class RolloutController:
         self._started = False
         self._stopped = False
 
+    @classmethod
+    def from_config(cls, cfg: Any, client: Callable[[], Any] | Sequence[str], dataset: Any,
+                    workflow: Workflow, *, version: int = 0) -> "RolloutController":
+        """A controller set up by ``cfg.rollout`` (and ``cfg.generate`` for the client)."""
+        r = cfg.rollout
+        return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
+                   filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
+                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout})
+
     # ================================================================== trainer API
 
     def start(self, timeout: float = 60.0) -> None:

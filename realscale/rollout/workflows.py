@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 
 from realscale.data.dataset import PromptSample
 from realscale.reward.result import OK, RewardResult
-from realscale.rollout.rewards import RewardFn, as_result, call_reward
+from realscale.rollout.rewards import RewardFn, as_result, call_reward, routed_reward
 from realscale.rollout.types import Trajectory
 
 UNKNOWN_VERSION = -1  # a server reported a non-numeric weight version
@@ -312,3 +312,22 @@ def _same(answer: str, reference: str) -> bool:
     except ValueError:
         return answer.strip() == reference.strip()
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+# --------------------------------------------------------------------------- from the config
+
+
+def workflow_from_config(cfg: Any, tokenizer: Any, *, reward_fn: RewardFn | None = None,
+                         env_factory: Callable[[PromptSample], Environment] = CalculatorEnv) -> Workflow:
+    """The workflow ``cfg.rollout.workflow`` names (a :class:`realscale.config.Config`).
+
+    Single-turn rewards default to :func:`~realscale.rollout.rewards.routed_reward` over
+    ``cfg.reward``; multi-turn rewards come from ``env_factory``'s environments.
+    """
+    params = sampling_params_from_config(cfg.generate)
+    r = cfg.rollout
+    if r.workflow == "multi_turn":
+        return MultiTurnWorkflow(tokenizer, r.n_samples, params, env_factory, r.max_turns,
+                                 max_total_tokens=cfg.generate.context_length, env_timeout=r.reward_timeout)
+    return SingleTurnWorkflow(tokenizer, r.n_samples, params, reward_fn or routed_reward(cfg.reward),
+                              reward_timeout=r.reward_timeout)

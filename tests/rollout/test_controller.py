@@ -181,3 +181,19 @@ def test_api_misuse_is_clear(tokenizer, arith_jsonl) -> None:
     ctl.set_version(2)
     with pytest.raises(ValueError, match="went back"):
         ctl.set_version(1)
+
+
+def test_from_config(tokenizer, arith_jsonl) -> None:
+    from realscale.config import Config
+    from realscale.rollout.workflows import workflow_from_config
+
+    cfg = Config()
+    cfg.rollout.batch_size, cfg.rollout.max_staleness, cfg.rollout.workflow = 3, 0, "multi_turn"
+    wf = workflow_from_config(cfg, tokenizer)
+    assert isinstance(wf, MultiTurnWorkflow) and wf.max_turns == cfg.rollout.max_turns
+    assert wf.sampling_params["max_new_tokens"] == cfg.generate.max_new_tokens
+    ds = PromptDataset(arith_jsonl, shuffle=False)
+    ctl = RolloutController.from_config(cfg, ["http://127.0.0.1:1"], ds, wf)
+    assert (ctl.staleness.batch_size, ctl.staleness.max_staleness) == (3, 0)
+    cfg.rollout.workflow = "single_turn"
+    assert isinstance(workflow_from_config(cfg, tokenizer), SingleTurnWorkflow)

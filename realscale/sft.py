@@ -8,6 +8,14 @@ trainer uses. It stops early on purpose (``sft.steps``): the default settings le
 model at a middling held-out accuracy, so that RL has signal (groups with right and wrong
 samples) and room to climb.
 
+Default calibration (2 shared CPU cores, measured): a fresh Qwen2 with hidden 128, 4
+layers, 4 heads (2 KV), MLP 384 (~0.85M parameters); ``a+b`` with ``a, b <= 29``, 200
+held out; 200 steps of 64 examples, lr 3e-3 (warmup 20, cosine to 3e-4): ~90 s of
+training, answer NLL 5.6 -> 0.6, held-out greedy accuracy 0.26; sampling at T=1, 8
+samples each on 64 held-out prompts: per-sample accuracy 0.17, pass@8 0.70, and 70% of
+the groups hold both right and wrong answers (mostly near misses, 44 for 45), which is
+what GRPO needs.
+
 Training runs in one spawned gloo process (world size 1), so the caller's process never
 holds Megatron's global state; the result is an HF directory (``save_hf`` plus the
 tokenizer files) that the generation servers and the RL trainer load.

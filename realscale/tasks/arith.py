@@ -50,7 +50,7 @@ class Problem:
 class ArithTask:
     """The problem space and its seeded train / held-out split."""
 
-    max_operand: int = 99
+    max_operand: int = 29
     ops: str = "+"
     heldout_size: int = 200
     seed: int = 0

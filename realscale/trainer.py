@@ -235,6 +235,26 @@ def connect_weight_sender(ctx: RankContext) -> None:
     _call(ctx, lambda c: c.init_weights_update_group(ctx.sender))
 
 
+def update_policy(engine: Any, batch: Any, cfg: Config) -> dict[str, float]:
+    """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
+    of each mini-batch. Proximal log-probs come from the policy before the first update.
+    Every trainer rank calls it with the same (broadcast) batch."""
+    r = engine.ranks
+    parts = mini_batches(batch, cfg.train.mini_batches)
+    if any(p.num_seqs < r.dp for p in parts):
+        raise ValueError(f"a mini-batch has fewer sequences than dp={r.dp}: raise rollout.batch_size or lower "
+                         f"train.mini_batches ({cfg.train.mini_batches})")
+    shares = [share_for_rank(p, r.dp, r.dp_rank) for p in parts]
+    if cfg.algo.decoupled:
+        for share in shares:
+            share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
+    loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
+    step_stats: dict[str, float] = {}
+    for share in shares:
+        step_stats = engine.train_step(share, loss_fn, norm_fn)
+    return {f"train/{k}": v for k, v in step_stats.items()}
+
+
 def train_one_step(ctx: RankContext) -> dict[str, float]:
     """Take a batch, update the policy, publish the weights. Every rank calls it."""
     cfg = ctx.cfg
@@ -247,17 +267,10 @@ def train_one_step(ctx: RankContext) -> dict[str, float]:
         lags = [ctx.version - g.min_version for g in groups]
         stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
     t_wait = time.perf_counter() - t0
-    batch = broadcast_batch(batch)
-    r = ctx.engine.ranks
-    mine = share_for_rank(batch, r.dp, r.dp_rank)
-    if cfg.algo.decoupled:
-        mine.fields["prox_logprobs"] = ctx.engine.logprobs(mine)["logprobs"]
     t_train = time.perf_counter()
-    loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
-    for mb in mini_batches(mine, cfg.train.mini_batches):
-        step_stats = ctx.engine.train_step(mb, loss_fn, norm_fn)
+    batch = broadcast_batch(batch)
+    stats.update(update_policy(ctx.engine, batch, cfg))
     t_train = time.perf_counter() - t_train
-    stats.update({f"train/{k}": v for k, v in step_stats.items()})
     stats.update(push_weights(ctx))
     trained = float(batch.fields["loss_mask"].sum())
     elapsed = time.perf_counter() - t0

@@ -519,7 +519,8 @@ class MegatronEngine:
         if dist.get_rank() == 0:
             save_hf(buckets, out_dir, self.hf_config)
             for name in os.listdir(self.ec.model_path):  # tokenizer and generation config travel along
-                if name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
+                if name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges",
+                                     "chat_template")):
                     shutil.copy(os.path.join(self.ec.model_path, name), out_dir)
         else:
             for _ in buckets:

@@ -1,0 +1,56 @@
+"""Worker functions for the RL-loop tests (spawned trainer ranks import this module)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def synthetic_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0) -> list[Any]:
+    """Groups of trajectories whose behaviour log-probs are the model's own plus noise
+    (as a generation server one version behind would give), with mixed rewards."""
+    from realscale.rollout.types import Group, Trajectory
+    from realscale.train.batch import PackedBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.arch.vocab_size
+    groups = []
+    for g in range(num_groups):
+        trajs = []
+        prompt = torch.randint(0, vocab, (5 + g,), generator=gen).tolist()
+        for i in range(n):
+            out = torch.randint(0, vocab, (3 + (i * 5 + g) % 9,), generator=gen).tolist()
+            trajs.append(Trajectory(prompt_ids=prompt, output_ids=out, output_logprobs=[0.0] * len(out),
+                                    output_versions=[0] * len(out), loss_mask=[1] * len(out),
+                                    reward=float((i + g) % 2), group_id=f"g{g}"))
+        groups.append(Group(trajs, uid=f"g{g}"))
+    flat = [t for grp in groups for t in grp]
+    batch = PackedBatch.from_sequences([t.prompt_ids + t.output_ids for t in flat])
+    lp = engine.logprobs(batch)["logprobs"]
+    for t, i in zip(flat, range(batch.num_seqs)):
+        seg = lp[int(batch.cu_seqlens[i]) + len(t.prompt_ids): int(batch.cu_seqlens[i + 1])]
+        t.output_logprobs = (seg + 0.05 * torch.randn(seg.shape, generator=gen)).tolist()
+    return groups
+
+
+def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
+    """groups -> batch (rank 0) -> broadcast -> DP share -> prox log-probs -> PPO step."""
+    import torch.distributed as dist
+
+    from realscale.config import load_config
+    from realscale.train.engine import EngineConfig, MegatronEngine
+    from realscale import trainer
+
+    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-3", "train.mini_batches=2",
+                             "train.max_tokens_per_micro_batch=40"])
+    engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    batch = None
+    if dist.get_rank() == 0:
+        batch, _ = trainer.groups_to_batch(synthetic_groups(engine), cfg.algo)
+    else:
+        synthetic_groups(engine)  # same collectives as rank 0 (log-probs of the same data)
+    batch = trainer.broadcast_batch(batch)
+    stats = trainer.update_policy(engine, batch, cfg)
+    after = engine.logprobs(batch)["logprobs"]
+    return {"stats": stats, "after": after}

@@ -20,6 +20,20 @@ from typing import Any, Callable
 from realscale.parallel.spawn import free_port
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, so that even a
+    SIGKILLed supervisor leaves no generation server or trainer rank behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 class LaunchError(RuntimeError):
     """A process of the run failed or never became ready."""
 
@@ -45,7 +59,8 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
                "--threads", str(threads), "--max-running", str(max_running), "--context-length",
                str(context_length), "--seed", str(seed + i)]
         log = open(log_path, "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
         servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
     try:
         for s in servers:
@@ -93,6 +108,7 @@ def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
 
 
 def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    die_with_parent()
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch

@@ -266,6 +266,7 @@ def train_one_step(ctx: RankContext) -> dict[str, float]:
         batch, stats = groups_to_batch(groups, cfg.algo)
         lags = [ctx.version - g.min_version for g in groups]
         stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
+        _record_trained(ctx.out_dir, ctx.step + 1, groups)
     t_wait = time.perf_counter() - t0
     t_train = time.perf_counter()
     batch = broadcast_batch(batch)
@@ -279,6 +280,12 @@ def train_one_step(ctx: RankContext) -> dict[str, float]:
                   "version": float(ctx.version)})
     ctx.step += 1
     return stats
+
+
+def _record_trained(out_dir: str, step: int, groups: list[Any]) -> None:
+    """Which prompts each step trained on (audits resume: nothing repeated or skipped)."""
+    with open(os.path.join(out_dir, "trained_uids.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "uids": [g.uid for g in groups]}) + "\n")
 
 
 def save_checkpoint(ctx: RankContext) -> None:
@@ -382,15 +389,19 @@ def prepare_model(cfg: Config, out_dir: str) -> str:
     return resolve_model_path(cfg.model.path)
 
 
-def evaluate_heldout(cfg: Config, model_dir: str) -> float | None:
-    """Greedy accuracy on the task's held-out split (tasks that have one)."""
+def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:
+    """Accuracy on the task's held-out split: greedy, and sampled at the run's temperature
+    (4 samples per prompt: the policy RL trains). None for sources without a split."""
     if not cfg.data.source.startswith("task:"):
         return None
     from realscale.eval import evaluate
     from realscale.tasks.arith import task_from_config
 
-    task = task_from_config(cfg.data)
-    return evaluate(model_dir, task.split("heldout")).accuracy
+    problems = task_from_config(cfg.data).split("heldout")
+    greedy = evaluate(model_dir, problems, max_new_tokens=cfg.generate.max_new_tokens)
+    sampled = evaluate(model_dir, problems, samples=4, temperature=cfg.generate.temperature,
+                       max_new_tokens=cfg.generate.max_new_tokens, seed=cfg.run.seed)
+    return {"greedy": greedy.accuracy, "sampled": sampled.accuracy, "pass@4": sampled.pass_at_k}
 
 
 def train(cfg: Config) -> int:
@@ -404,7 +415,14 @@ def train(cfg: Config) -> int:
     t0 = time.time()
     model_dir = prepare_model(cfg, out_dir)
     resumed = latest_checkpoint(out_dir) is not None
-    acc_start = None if resumed else evaluate_heldout(cfg, model_dir)
+    start_path = os.path.join(out_dir, "eval_start.json")
+    if resumed and os.path.exists(start_path):
+        with open(start_path, encoding="utf-8") as fh:
+            acc_start = json.load(fh)
+    else:
+        acc_start = evaluate_heldout(cfg, model_dir)
+        with open(start_path, "w", encoding="utf-8") as fh:
+            json.dump(acc_start, fh)
     servers = start_servers(model_dir, cfg.generate.num_servers, os.path.join(out_dir, "logs"),
                             host=cfg.generate.host, seed=cfg.run.seed,
                             context_length=cfg.generate.context_length,
@@ -430,13 +448,18 @@ def train(cfg: Config) -> int:
     acc_end = _final_accuracy(cfg, out_dir, final_dir)
     hist_path = os.path.join(out_dir, "staleness_hist.json")
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
-    extra = {"held-out accuracy": f"{_pct(acc_start)} -> {_pct(acc_end)}", "total time": f"{time.time() - t0:.0f} s"}
+    extra = {"total time": f"{time.time() - t0:.0f} s"}
+    for kind in ("greedy", "sampled"):
+        extra[f"held-out accuracy ({kind})"] = (f"{_pct(acc_start and acc_start[kind])} -> "
+                                                f"{_pct(acc_end and acc_end[kind])}")
     if acc_end is not None:
         from realscale.metrics import MetricsLogger
 
         log = MetricsLogger(out_dir, 0, progress=False)
-        log.log(cfg.run.total_steps, {"eval/accuracy": acc_end, **({"eval/accuracy_start": acc_start}
-                                                                  if acc_start is not None else {})})
+        record = {f"eval/{k}": v for k, v in acc_end.items()}
+        record["eval/accuracy"] = acc_end["greedy"]
+        record.update({f"eval/start_{k}": v for k, v in (acc_start or {}).items()})
+        log.log(cfg.run.total_steps, record)
         log.close()
     plot_run(out_dir, hist)
     print(summary_text(out_dir, extra))
@@ -450,7 +473,7 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> float | None:
+def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, float] | None:
     """Export the last checkpoint to HF and evaluate it on the held-out split."""
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None or not cfg.data.source.startswith("task:"):

@@ -16,6 +16,14 @@ def test_rl_step_on_two_ranks_matches_one() -> None:
     model = resolve_model_path("tiny-qwen2")
     one = run_distributed(cases.one_rl_step, 1, model, 1, 1, timeout=300)[0]
     assert one["stats"]["train/grad_norm"] > 0
+    # the update moves the policy the right way: answers with positive advantage become
+    # more likely, those with negative advantage less likely
+    cu, mask = one["cu_seqlens"].tolist(), one["loss_mask"]
+    delta = (one["after"] - one["before"]) * mask
+    ups = [float(delta[cu[i]:cu[i + 1]].sum()) for i in range(len(cu) - 1)]
+    adv = [float(one["advantages"][cu[i]]) for i in range(len(cu) - 1)]
+    assert sum(u for u, a in zip(ups, adv) if a > 0) > 0
+    assert sum(u for u, a in zip(ups, adv) if a < 0) < 0
     for tp, dp in ((1, 2), (2, 1)):
         two = run_distributed(cases.one_rl_step, 2, model, tp, dp, timeout=300)[0]
         for key in ("train/loss", "train/grad_norm"):

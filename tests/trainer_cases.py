@@ -51,6 +51,8 @@ def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
     else:
         synthetic_groups(engine)  # same collectives as rank 0 (log-probs of the same data)
     batch = trainer.broadcast_batch(batch)
+    before = engine.logprobs(batch)["logprobs"]
     stats = trainer.update_policy(engine, batch, cfg)
     after = engine.logprobs(batch)["logprobs"]
-    return {"stats": stats, "after": after}
+    return {"stats": stats, "before": before, "after": after, "advantages": batch.fields["advantages"],
+            "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}

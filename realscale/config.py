@@ -92,6 +92,7 @@ class ParallelConfig:
     pp: int = knob(1, "Pipeline-parallel degree.")
     dp: int = knob(1, "Data-parallel degree.")
     sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
+    plan: str = knob("", "Plan YAML from `realscale plan --out`; when set, its actor_train role's dp/tp/pp replace the three above.")
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
 
     def __post_init__(self) -> None:

@@ -404,11 +404,31 @@ def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:
     return {"greedy": greedy.accuracy, "sampled": sampled.accuracy, "pass@4": sampled.pass_at_k}
 
 
+def apply_plan(cfg: Config) -> Config:
+    """``parallel.plan`` set: take the trainer's (dp, tp, pp) from the plan's actor_train role."""
+    if not cfg.parallel.plan:
+        return cfg
+    from realscale.config import ConfigError
+    from realscale.planner.plan import Plan
+
+    if not os.path.exists(cfg.parallel.plan):
+        raise ConfigError(f"parallel.plan: file not found: {cfg.parallel.plan}")
+    plan = Plan.load(cfg.parallel.plan)
+    if "actor_train" not in plan.roles:
+        raise ConfigError(f"parallel.plan: {cfg.parallel.plan} has no actor_train role (roles: {', '.join(plan.roles)})")
+    s = plan.roles["actor_train"].strategy
+    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
+    if cfg.parallel.sequence_parallel and s.tp == 1:
+        cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
+    return cfg
+
+
 def train(cfg: Config) -> int:
     """The supervisor: prepare, start servers and trainer ranks, watch, report."""
     from realscale.launcher import RankGroup, start_servers, stop_servers
     from realscale.metrics import plot_run, summary_text
 
+    cfg = apply_plan(cfg)
     out_dir = run_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
     save_config(cfg, out_dir)

@@ -55,3 +55,24 @@ def test_groups_to_batch_masks_prompts_and_broadcasts_advantages() -> None:
     assert batch.fields["advantages"][7:].abs().sum() == 0  # equal rewards: no signal
     assert batch.fields["behav_logprobs"][:2].tolist() == [0.0, 0.0]
     assert stats["reward/mean"] == 0.75 and stats["rollout/response_len"] == 1.75
+
+
+def test_recipe_takes_the_trainer_layout_from_a_plan(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from realscale.config import ConfigError, load_config
+    from realscale.trainer import apply_plan
+
+    out = tmp_path / "plan.yaml"
+    res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", "qwen2-7b", "--nodes", "2",
+                          "--gpus-per-node", "8", "--gpu", "H100", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    from realscale.planner.plan import Plan
+
+    want = Plan.load(str(out)).roles["actor_train"].strategy
+    cfg = apply_plan(load_config(None, [f"parallel.plan={out}"]))
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (want.dp, want.tp, want.pp)
+    with pytest.raises(ConfigError, match="file not found"):
+        apply_plan(load_config(None, ["parallel.plan=/no/plan.yaml"]))

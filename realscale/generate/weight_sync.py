@@ -132,15 +132,5 @@ class WeightReceiver:
         return out
 
 
-def split_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterable[Bucket]:
-    """Group ``(name, tensor)`` pairs into buckets of about ``bucket_bytes`` each."""
-    bucket: Bucket = []
-    size = 0
-    for name, t in named:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+# One bucketing rule for the trainer's export and any other sender (re-exported here).
+from realscale.models.convert import split_buckets  # noqa: E402,F401

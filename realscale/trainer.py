@@ -288,6 +288,21 @@ def _record_trained(out_dir: str, step: int, groups: list[Any]) -> None:
         fh.write(json.dumps({"step": step, "uids": [g.uid for g in groups]}) + "\n")
 
 
+def truncate_logs(out_dir: str, last_step: int) -> None:
+    """On resume: drop log records of steps after the checkpoint (they are redone), so
+    every step appears once in metrics.jsonl and trained_uids.jsonl."""
+    for name in ("metrics.jsonl", "trained_uids.jsonl"):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= last_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(keep)
+        os.replace(tmp, path)
+
+
 def save_checkpoint(ctx: RankContext) -> None:
     ckpt = os.path.join(ctx.out_dir, "checkpoints", f"step{ctx.step:06d}")
     extra = {"step": ctx.step, "version": ctx.version}
@@ -327,6 +342,8 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
         ctx.step, ctx.version = int(extra["step"]), int(extra["version"])
     logger = None
     if ctx.is_driver:
+        if resume:
+            truncate_logs(out_dir, ctx.step)
         ctx.controller = make_controller(cfg, model_dir, server_urls, out_dir)
         if "controller" in extra:
             ctx.controller.load_state_dict(extra["controller"])

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.multiproc
 
 ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "run.total_steps=5", "run.checkpoint_every=1",
         "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1", "generate.max_new_tokens=4",
-        "train.max_tokens_per_micro_batch=512"]
+        "train.max_tokens_per_micro_batch=512",
+        # tiny-qwen2 answers every prompt the same way: keep its (all-equal) groups
+        "rollout.filter_all_equal=false"]
 
 
 def _train(out: Path, extra: list[str] = ()) -> subprocess.Popen:
@@ -57,8 +59,8 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
     assert again.returncode == 0, out.decode()[-3000:]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m["step"] for m in metrics if "train/loss" in m]
-    resumed = steps[steps.index(killed_at + 1):] if killed_at + 1 in steps else []
-    assert resumed == list(range(killed_at + 1, 6)), steps  # continues after the checkpoint, once each
+    assert steps == [1, 2, 3, 4, 5], steps  # every step once: the killed run's unsaved steps were redone
+    assert killed_at >= 2
     versions = {m["step"]: m["version"] for m in metrics if "version" in m}
     assert versions[5] == 5.0
     assert all(m.get("staleness/max", 0) <= 1 for m in metrics)

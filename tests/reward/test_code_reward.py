@@ -92,8 +92,9 @@ def test_memory_bomb_fails(reward: CodeReward) -> None:
 def test_writes_outside_the_work_dir_are_refused_or_vanish(reward: CodeReward) -> None:
     if not probe_isolation().drop_user:
         pytest.skip(f"no unprivileged uid: {probe_isolation().missing.get('drop_user')}")
-    # A root-owned directory outside /tmp (which the sandbox replaces): this test's own folder.
-    target = Path(__file__).with_name(f"escape-{os.getpid()}.txt")
+    # A root-owned directory outside /tmp (which the sandbox replaces with its own tmpfs, so
+    # a checkout under /tmp would vanish rather than refuse): /var/lib.
+    target = Path("/var/lib") / f"realscale-escape-{os.getpid()}.txt"
     host_tmp = f"/tmp/realscale-escape-{os.getpid()}"
     prog = (f"open({str(target)!r}, 'w').write('x')\n")
     (r,) = reward.score_batch([(prog, "")])

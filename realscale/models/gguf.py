@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 
 from realscale.models.tiny import cache_root
 
@@ -112,23 +110,14 @@ def gguf_to_hf_dir(gguf_path: str, out_dir: str) -> str:
     if _is_complete(out_dir, gguf_path):
         return out_dir
     _require_gguf_loaders()
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
-    try:
+    from realscale.models.tiny import build_atomically
+
+    def build(tmp: str) -> None:
         _write_hf(gguf_path, tmp)
         with open(os.path.join(tmp, _STAMP), "w", encoding="utf-8") as fh:
             json.dump(_stamp(gguf_path), fh)
-        if os.path.isdir(out_dir) and not _is_complete(out_dir, gguf_path):
-            shutil.rmtree(out_dir, ignore_errors=True)  # stale or partial: replace
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not _is_complete(out_dir, gguf_path):  # lost a race to a broken copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return build_atomically(out_dir, build, lambda path: _is_complete(path, gguf_path))
 
 
 def smollm2_dir() -> str:

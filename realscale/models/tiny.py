@@ -169,6 +169,27 @@ def _is_complete(path: str, name: str) -> bool:
         return json.load(fh) == _spec_stamp(name)
 
 
+def build_atomically(target: str, build: Any, is_complete: Any) -> str:
+    """Build a cached directory in a temporary sibling and rename it into place, so a
+    crash or a concurrent builder never leaves a half-written ``target``.
+    ``build(tmp_dir)`` writes the files; ``is_complete(path)`` recognises a finished copy."""
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=parent)
+    try:
+        build(tmp)
+        if os.path.isdir(target) and not is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)  # stale or partial: replace
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target):  # lost a race to a broken copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A model directory for a built-in tiny-model name or an existing HF directory.
 
@@ -180,22 +201,12 @@ def resolve_model_path(name_or_path: str) -> str:
         target = os.path.join(cache_root(), name_or_path)
         if _is_complete(target, name_or_path):
             return target
-        os.makedirs(cache_root(), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name_or_path}.", dir=cache_root())
-        try:
+        def build(tmp: str) -> None:
             build_tiny_model(tmp, **BUILTIN[name_or_path])
             with open(os.path.join(tmp, "realscale_tiny.json"), "w", encoding="utf-8") as fh:
                 json.dump(_spec_stamp(name_or_path), fh)
-            if os.path.isdir(target) and not _is_complete(target, name_or_path):
-                shutil.rmtree(target, ignore_errors=True)  # stale format: rebuild
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not _is_complete(target, name_or_path):  # lost a race to a broken copy
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return target
+
+        return build_atomically(target, build, lambda path: _is_complete(path, name_or_path))
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
             raise ValueError(f"model directory {name_or_path!r} has no config.json")

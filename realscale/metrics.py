@@ -2,9 +2,8 @@
 a progress bar, and at the end a PNG plot and a one-screen summary.
 
 The JSONL file is appended and flushed every step, so a crash loses nothing already
-logged; a resumed run appends to the same file (steps are never counted twice: a
-resumed run starts after the last checkpointed step, and :func:`read_metrics` keeps the
-last record of each step).
+logged; a resumed run first drops the records of steps after its checkpoint (they are
+redone; see ``realscale.trainer.truncate_logs``) and then appends, so each step appears once.
 """
 
 from __future__ import annotations
@@ -76,14 +75,15 @@ def _plain(value: Any) -> Any:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """Records by step (the last record of a step wins, e.g. after a resume)."""
+    """Records by step; several records of one step (the step's metrics, then the final
+    evaluation) are merged, later values winning."""
     by_step: dict[int, dict[str, Any]] = {}
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()
             if line:
                 rec = json.loads(line)
-                by_step[int(rec["step"])] = rec
+                by_step.setdefault(int(rec["step"]), {}).update(rec)
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -100,9 +100,10 @@ def plot_run(run_dir: str, staleness_hist: dict[int, int] | None = None) -> str:
     steps = [r["step"] for r in records]
     ax = axes[0][0]
     ax.plot(steps, [r.get("reward/mean") for r in records], label="reward (train batches)")
-    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    evals = [(0, r["eval/start_greedy"]) for r in records if "eval/start_greedy" in r]
+    evals += [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out accuracy")
+        ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy, start/end)")
     ax.set_xlabel("step")
     ax.legend()
     ax.set_title("reward / accuracy")

@@ -24,7 +24,6 @@ The supervisor watches every process and stops all of them on error or Ctrl-C.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -440,6 +439,10 @@ def apply_plan(cfg: Config) -> Config:
     return cfg
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def train(cfg: Config) -> int:
     """The supervisor: prepare, start servers and trainer ranks, watch, report."""
     from realscale.launcher import RankGroup, start_servers, stop_servers
@@ -466,7 +469,7 @@ def train(cfg: Config) -> int:
                             max_running=cfg.generate.max_running_requests)
     ranks = RankGroup()
     previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C
     try:
         ranks.start(rank_main, cfg.parallel.world_size,
                     (asdict(cfg), model_dir, [s.url for s in servers], out_dir))

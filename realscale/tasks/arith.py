@@ -123,11 +123,10 @@ def resolve_task_source(source: str, task: ArithTask, out_dir: str, split: str =
 
 
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt as the RL workflow sends it: chat template, generation prompt appended."""
-    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
-    return [int(i) for i in ids]
+    """The prompt as the RL workflow sends it (one definition: the workflow's)."""
+    from realscale.rollout.workflows import prompt_ids as workflow_prompt_ids
+
+    return workflow_prompt_ids(tokenizer, prompt)
 
 
 def encode_example(tokenizer: Any, problem: Problem) -> tuple[list[int], list[float]]:

@@ -103,7 +103,9 @@ def test_client_stitches_across_weight_update(server_and_new_weights) -> None:
     for prompt, res in zip(prompts, results):
         assert len(res.output_ids) == 300 == len(res.output_logprobs) == len(res.output_versions)
         assert res.finish_reason == {"type": "length", "length": 300}
-        assert res.num_interruptions == 1
+        # usually one abort; a resubmission racing the pause can be aborted once more
+        # (seen once in CI): the stitched result must be the same either way
+        assert res.num_interruptions >= 1
         switch = res.output_versions.index(1)
         assert 0 < switch and set(res.output_versions[:switch]) == {0} and set(res.output_versions[switch:]) == {1}
         _check_logprobs(prompt, res.output_ids, res.output_logprobs, res.output_versions, models, 0.9)

@@ -203,7 +203,7 @@ class MegatronEngine:
         """Aligned per-token log-probs (see :mod:`realscale.train.batch`) on the last stage."""
         from megatron.core import tensor_parallel
 
-        from realscale.train.logprobs import logprobs_from_hidden
+        from realscale.train.logprobs import logprobs_from_hidden, next_token_targets
 
         if self.ec.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
@@ -211,8 +211,7 @@ class MegatronEngine:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
         n = mb.num_tokens
         hidden = hidden[:n, 0]  # [T, H]: drop SP padding and the batch dim
-        ids = mb.input_ids.to(hidden.device)
-        targets = torch.roll(ids, -1)  # row r predicts token r+1
+        targets, _ = next_token_targets(mb.input_ids.to(hidden.device), mb.cu_seqlens.to(hidden.device))
         weight = self._output_weight(model)
         vocab_per_rank = weight.shape[0]
         lp, ent = logprobs_from_hidden(
@@ -222,7 +221,7 @@ class MegatronEngine:
             chunk_tokens=self.ec.logprob_chunk_tokens, with_entropy=with_entropy)
         starts = mb.cu_seqlens[:-1].to(lp.device)
         keep = torch.ones(n, dtype=lp.dtype, device=lp.device)
-        keep[starts] = 0.0  # first tokens have no prediction (and the roll wrapped garbage there)
+        keep[starts] = 0.0  # first tokens have no prediction (the roll brings each sequence's last row there)
         lp = torch.roll(lp, 1) * keep
         if ent is not None:
             ent = torch.roll(ent, 1) * keep

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
     "sft": ("realscale.commands.sft", "warm-start a tiny Qwen2 on the default task (masked NLL on the Megatron engine)"),
     "eval": ("realscale.commands.eval", "held-out accuracy of a model directory on the task (embedded generation engine)"),
+    "sweep": ("realscale.commands.sweep", "render one plan and one sbatch job per model size (or config axis); --dry-run prints them"),
+    "rank": ("realscale.commands.rank", "one trainer rank or generation server of a launched run (under srun, torchrun or mpirun)"),
 }
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Dict, List
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401 - MISSING is re-exported
@@ -283,6 +284,48 @@ class SFTConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How the run's processes are started: on this machine, or as Slurm job steps
+    (``sbatch launch/slurm/*.sh``, see realscale/launcher/). The job header fields (nodes,
+    GPUs, time, partition) are what ``realscale sweep`` renders into sbatch scripts."""
+
+    backend: str = knob("auto", "auto (slurm inside a Slurm allocation, else local), local or slurm.")
+    nodes: int = knob(1, "Nodes of the Slurm job (sbatch --nodes); the plan's cluster size.")
+    gpus_per_node: int = knob(0, "GPUs per node (0: a CPU job: no --gpus, gloo).")
+    gpu: str = knob("H100", "GPU type for the plan and its memory check (A100, H800, H100, H200).")
+    gen_fraction: float = knob(0.75, "Fraction of the job's GPUs that generate (the rest train), as in the AReaL paper.")
+    model_size: str = knob("", "Planner size name (e.g. qwen2-7b) used when model.path is not a local directory yet.")
+    time: str = knob("04:00:00", "Job time limit (sbatch --time); the job checkpoints and requeues before it.")
+    partition: str = knob("", "Slurm partition (empty: the cluster's default).")
+    account: str = knob("", "Slurm account (empty: the user's default).")
+    cpus_per_task: int = knob(0, "CPUs per task (sbatch --cpus-per-task; 0: Slurm's default).")
+    ntasks: int = knob(0, "CPU jobs: tasks of the allocation (0: the trainer world size).")
+    signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
+    requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
+    check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")
+    health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health.")
+    python: str = knob("python", "Interpreter the sbatch scripts run (a venv's python, or a container wrapper).")
+    nccl: Dict[str, str] = knob({}, "NCCL environment for every rank and server, e.g. NCCL_IB_HCA, NCCL_NET_GDR_LEVEL, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX (keys must start with NCCL_).")
+    env: Dict[str, str] = knob({}, "Other environment variables for every role (e.g. GLOO_SOCKET_IFNAME, HF_HOME).")
+    sbatch_extra: List[str] = knob([], "Extra #SBATCH options rendered into the job header, e.g. '--exclusive', '--qos=high'.")
+
+    def __post_init__(self) -> None:
+        _one_of("launch", "backend", self.backend, ("auto", "local", "slurm"))
+        _positive("launch", "nodes", self.nodes)
+        _positive("launch", "gpus_per_node", self.gpus_per_node, allow_zero=True)
+        _positive("launch", "signal_seconds", self.signal_seconds, allow_zero=True)
+        _positive("launch", "health_timeout", self.health_timeout)
+        if not 0.0 < self.gen_fraction < 1.0:
+            raise ConfigError(f"launch.gen_fraction: must be in (0, 1), got {self.gen_fraction!r}")
+        bad = [k for k in self.nccl if not k.startswith("NCCL_")]
+        if bad:
+            raise ConfigError(f"launch.nccl: {bad[0]!r} is not an NCCL variable (keys start with NCCL_); "
+                              "put other variables in launch.env")
+        if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.time):
+            raise ConfigError(f"launch.time: {self.time!r} is not a Slurm time (HH:MM:SS, D-HH:MM:SS or minutes)")
+
+
+@dataclass
 class Config:
     """The root of the tree: one section per subsystem."""
 
@@ -297,6 +340,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
 # --------------------------------------------------------------------------- schema walking

@@ -229,7 +229,9 @@ def connect_weight_sender(ctx: RankContext) -> None:
     from realscale.parallel.spawn import free_port
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    ctx.sender = WeightSender("127.0.0.1", free_port(), world_size=len(ctx.server_urls) + 1,
+    from realscale.launcher import advertise_host
+
+    ctx.sender = WeightSender(advertise_host(), free_port(), world_size=len(ctx.server_urls) + 1,
                               group_name="realscale-weights", backend=backend)
     _call(ctx, lambda c: c.init_weights_update_group(ctx.sender))
 
@@ -328,6 +330,19 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return ckpt if os.path.isdir(ckpt) else None
 
 
+def stop_requested(ctx: RankContext) -> bool:
+    """Has the launcher asked the run to stop (SIGUSR1: time limit or pre-emption)? Rank 0
+    reads the request; every rank gets its answer, so all stop after the same step."""
+    import torch.distributed as dist
+
+    from realscale.launcher import stop_reason
+
+    holder = [ctx.is_driver and stop_reason(ctx.out_dir) is not None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return bool(holder[0])
+
+
 def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str) -> None:
     """One trainer rank from start to finish."""
     from omegaconf import OmegaConf
@@ -368,8 +383,13 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
                               if isinstance(v, (int, float))})
                 logger.log(ctx.step, stats)
             every = cfg.run.checkpoint_every
-            if (every and ctx.step % every == 0) or ctx.step == cfg.run.total_steps:
+            saved = (every and ctx.step % every == 0) or ctx.step == cfg.run.total_steps
+            if saved:
                 save_checkpoint(ctx)
+            if ctx.step < cfg.run.total_steps and stop_requested(ctx):
+                if not saved:  # pre-emption / time limit: keep this step's work
+                    save_checkpoint(ctx)
+                break
     finally:
         if ctx.is_driver:
             if ctx.controller is not None:
@@ -444,13 +464,18 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def train(cfg: Config) -> int:
-    """The supervisor: prepare, start servers and trainer ranks, watch, report."""
-    from realscale.launcher import RankGroup, start_servers, stop_servers
+    """The supervisor: prepare, start servers and trainer ranks (on this machine or as
+    Slurm job steps, see realscale/launcher/), watch, report."""
+    from realscale.launcher import LaunchError, backend_for, clear_stop, request_stop, stop_reason
     from realscale.metrics import plot_run, summary_text
 
     cfg = apply_plan(cfg)
     out_dir = run_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
+    backend = backend_for(cfg, out_dir)
+    backend.prepare()  # under Slurm: is the run directory on storage every node shares?
+    clear_stop(out_dir)  # the request that stopped an earlier (requeued) run is done with
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))
     save_config(cfg, out_dir)
     t0 = time.time()
     model_dir = prepare_model(cfg, out_dir)
@@ -463,24 +488,27 @@ def train(cfg: Config) -> int:
         acc_start = evaluate_heldout(cfg, model_dir)
         with open(start_path, "w", encoding="utf-8") as fh:
             json.dump(acc_start, fh)
-    servers = start_servers(model_dir, cfg.generate.num_servers, os.path.join(out_dir, "logs"),
-                            host=cfg.generate.host, seed=cfg.run.seed,
-                            context_length=cfg.generate.context_length,
-                            max_running=cfg.generate.max_running_requests)
-    ranks = RankGroup()
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C
+    code = 0
     try:
-        ranks.start(rank_main, cfg.parallel.world_size,
-                    (asdict(cfg), model_dir, [s.url for s in servers], out_dir))
-        code = ranks.wait()
+        if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
+            urls = backend.start_servers(model_dir, asdict(cfg))
+            backend.start_ranks(rank_main, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
+            code = backend.wait()
     except KeyboardInterrupt:
         print("\nrealscale: interrupted; stopping trainer ranks and generation servers")
         code = 130
+    except LaunchError as exc:
+        print(f"realscale: {exc}", flush=True)
+        code = 1
     finally:
-        ranks.stop()
-        stop_servers(servers)
+        backend.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, previous_usr1)
+    reason = stop_reason(out_dir)
+    if code == 0 and reason is not None:
+        return stopped_early(cfg, backend, out_dir, reason)
     if code != 0:
         print(f"realscale: a trainer rank failed (exit code {code}); logs under {out_dir}")
         return code
@@ -506,6 +534,16 @@ def train(cfg: Config) -> int:
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
                    "staleness_hist": hist}, fh, indent=1)
+    return 0
+
+
+def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
+    """The ranks checkpointed and exited on a stop request: requeue the Slurm job (it
+    resumes from that checkpoint), or say how to resume a local run."""
+    ckpt = latest_checkpoint(out_dir)
+    print(f"realscale: stopped on request ({reason}); last checkpoint {ckpt or 'none'}", flush=True)
+    if reason == "requeue" and cfg.launch.requeue:
+        backend.requeue()
     return 0
 
 

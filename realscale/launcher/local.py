@@ -1,9 +1,10 @@
-"""Start and watch the processes of a run on this machine: generation servers and trainer
-ranks. Everything started here is stopped here — on success, on error, on Ctrl-C or
-SIGTERM — so a run leaves no orphan processes and frees its ports.
+"""The local backend: start and watch the processes of a run on this machine (generation
+servers and trainer ranks). Everything started here is stopped here — on success, on
+error, on Ctrl-C or SIGTERM — so a run leaves no orphan processes and frees its ports.
 
-The Slurm backend (issue 8) will reuse :class:`ProcessGroupWatcher`; only how processes
-are started differs.
+:class:`LocalBackend` and :class:`realscale.launcher.slurm.SlurmBackend` offer the same
+four calls to the supervisor (start_servers, start_ranks, wait, stop); only how the
+processes are started differs.
 """
 
 from __future__ import annotations
@@ -155,3 +156,35 @@ class RankGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+class LocalBackend:
+    """Servers as ``realscale serve`` subprocesses, ranks as spawned processes."""
+
+    def __init__(self, cfg: Any, out_dir: str) -> None:
+        self.cfg, self.out_dir = cfg, out_dir
+        self.servers: list[ServerProc] = []
+        self.ranks = RankGroup()
+
+    def prepare(self) -> None:
+        os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
+
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+        g = self.cfg.generate
+        self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
+                                     seed=self.cfg.run.seed, context_length=g.context_length,
+                                     max_running=g.max_running_requests)
+        return [s.url for s in self.servers]
+
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
+        self.ranks.start(fn, world, args)
+
+    def wait(self) -> int:
+        return self.ranks.wait()
+
+    def stop(self) -> None:
+        self.ranks.stop()
+        stop_servers(self.servers)
+
+    def requeue(self) -> None:
+        """Nothing requeues a local run: started again in the same directory, it resumes."""

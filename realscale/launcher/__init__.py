@@ -1,0 +1,47 @@
+"""Starting a run's processes: one launcher, two backends.
+
+The supervisor (``realscale train``, :func:`realscale.trainer.train`) prepares the model,
+then asks a backend to start the generation servers, then the trainer ranks, and watches
+them; one failing stops the rest. :func:`backend_for` picks the backend:
+
+- :class:`~realscale.launcher.local.LocalBackend`: processes on this machine (the default);
+- :class:`~realscale.launcher.slurm.SlurmBackend`: job steps (``srun``) of the Slurm
+  allocation the supervisor runs in (``sbatch launch/slurm/*.sh``).
+
+Under either, a trainer rank can also be started by hand through ``realscale rank``
+(srun, torchrun or mpirun; :mod:`realscale.launcher.dist_env` derives its
+torch.distributed environment). A stop request (``<run>/launch/stop``, written on
+SIGUSR1) makes the ranks checkpoint at the next step boundary and exit; under Slurm the
+job then requeues itself and resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from realscale.launcher.local import (LaunchError, LocalBackend, RankGroup, ServerProc, die_with_parent,
+                                      start_servers, stop_servers, wait_healthy)
+from realscale.launcher.spec import clear_stop, request_stop, stop_reason
+
+__all__ = ["LaunchError", "LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop",
+           "die_with_parent", "request_stop", "start_servers", "stop_reason", "stop_servers", "wait_healthy",
+           "advertise_host"]
+
+
+def backend_for(cfg: Any, out_dir: str) -> Any:
+    """``launch.backend``: local, slurm, or auto (slurm inside an allocation)."""
+    from realscale.launcher.slurm import SlurmBackend, in_allocation
+
+    kind = cfg.launch.backend
+    if kind == "auto":
+        kind = "slurm" if in_allocation() else "local"
+    if kind == "slurm":
+        return SlurmBackend(cfg, out_dir)
+    return LocalBackend(cfg, out_dir)
+
+
+def advertise_host() -> str:
+    """The address rank 0 offers to generation servers for the weight-update group:
+    loopback on one machine, this node's host name when the job spans nodes."""
+    return os.environ.get("REALSCALE_ADVERTISE_HOST", "127.0.0.1")

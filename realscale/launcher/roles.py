@@ -1,0 +1,133 @@
+"""Entry points of the processes a launcher starts on the nodes (``realscale rank``).
+
+- :func:`trainer_rank`: one trainer rank, under ``srun``, ``torchrun`` or ``mpirun``
+  (or alone): derive the torch.distributed environment, then ``rank_main`` of the run
+  spec.
+- :func:`generation_server`: one generation server (task i of the server step): bind a
+  free port on this node, write ``<url_dir>/<i>.url``, serve (embedded server, or exec
+  SGLang on GPUs).
+- ``python -m realscale.launcher.roles shared-check FILE NONCE``: the shared-storage
+  probe (no torch import: it runs on every node).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
+from realscale.launcher.spec import RunSpec, launch_dir
+
+
+def _advertised_host(bind_host: str) -> str:
+    """The address other nodes reach a socket bound to ``bind_host`` on."""
+    if bind_host in ("0.0.0.0", "", "::"):
+        return socket.gethostname()
+    return bind_host
+
+
+def _threads(denv: DistEnv) -> int:
+    """CPU threads per rank: what Slurm gave the task, else a share of this node's cores."""
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size))
+
+
+def trainer_rank(spec_path: str, env: dict[str, str] | None = None) -> int:
+    """Run one trainer rank of the run described by ``spec_path``."""
+    spec = RunSpec.load(spec_path)
+    environ = os.environ if env is None else env
+    denv = derive(environ)
+    rdzv = os.path.join(launch_dir(spec.out_dir), "rdzv", job_key(environ))
+    denv = rendezvous(denv, rdzv)
+    os.environ.update(denv.exported())
+    if denv.master_addr not in ("127.0.0.1", "localhost"):
+        # servers on other nodes join rank 0's weight-update group at this address
+        os.environ.setdefault("REALSCALE_ADVERTISE_HOST", socket.gethostname())
+    import torch
+
+    torch.set_num_threads(_threads(denv))
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        # torchrun / mpirun show every GPU of the node; srun --gpus-per-task shows one
+        torch.cuda.set_device(denv.local_rank % torch.cuda.device_count())
+    from realscale.trainer import rank_main
+
+    rank_main(spec.config, spec.model_dir, spec.server_urls, spec.out_dir)
+    return 0
+
+
+def generation_server(spec_path: str, index: int | None = None) -> int:
+    """Serve the run's model as generation server ``index`` (default: this Slurm task's id)."""
+    spec = RunSpec.load(spec_path)
+    if index is None:
+        index = int(os.environ.get("SLURM_PROCID", "0"))
+    if not spec.url_dir:
+        raise ValueError(f"{spec_path}: no url_dir: this spec was not written for a server step")
+    gen: dict[str, Any] = spec.config["generate"]
+    seed = int(spec.config["run"]["seed"]) + index
+    if gen["backend"] == "sglang":
+        return _exec_sglang(spec, gen, index, seed)
+    import torch
+
+    from aiohttp import web
+
+    from realscale.generate.server import EmbeddedServer
+
+    torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
+                            context_length=int(gen["context_length"]), seed=seed)
+    # bind port 0: the kernel picks a port free on this node, no race with other jobs
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((gen["host"], 0))
+    url = f"http://{_advertised_host(gen['host'])}:{sock.getsockname()[1]}"
+    _publish(spec.url_dir, index, url)
+    print(f"realscale server {index}: {spec.model_dir} on {url}", flush=True)
+    web.run_app(server.app(), sock=sock, print=None, handle_signals=True, access_log=None)
+    return 0
+
+
+def _publish(url_dir: str, index: int, url: str) -> None:
+    os.makedirs(url_dir, exist_ok=True)
+    path = os.path.join(url_dir, f"{index}.url")
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(url + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
+    """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
+    free on this node now (a small race with other processes of the node)."""
+    from realscale.generate.sglang_launcher import sglang_command
+    from realscale.launcher.dist_env import _free_port
+
+    port = _free_port()
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
+    cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
+                         max_running_requests=int(gen["max_running_requests"]),
+                         mem_fraction_static=float(gen["mem_fraction_static"]), seed=seed)
+    _publish(spec.url_dir, index, f"http://{_advertised_host(gen['host'])}:{port}")
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+def shared_check(probe: str, nonce: str) -> int:
+    """Print ``OK host`` when this node reads ``nonce`` from ``probe``, else ``MISSING host``."""
+    try:
+        with open(probe, encoding="utf-8") as fh:
+            ok = fh.read().strip() == nonce
+    except OSError:
+        ok = False
+    print(f"{'OK' if ok else 'MISSING'} {socket.gethostname()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "shared-check":
+        sys.exit(shared_check(sys.argv[2], sys.argv[3]))
+    print("usage: python -m realscale.launcher.roles shared-check FILE NONCE", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,293 @@
+"""The Slurm backend: the roles of a run as job steps of the allocation it runs in.
+
+``sbatch launch/slurm/ppo_7b.sh`` runs ``realscale train <recipe>`` as the batch step; the
+supervisor (``realscale.trainer.train``) sees the allocation and starts, through this
+module:
+
+1. a shared-storage check (multi-node: one task per node must read a nonce the batch
+   host just wrote under the run directory, else a one-line error naming the nodes);
+2. the generation servers: ONE step, one task per server (``realscale rank --server``),
+   on the generation nodes of the plan's ``actor_gen`` mesh; each task binds a free port
+   on its own node and writes its URL under ``<run>/launch/servers/``; the supervisor
+   waits for every URL and its /health;
+3. the trainer ranks: ONE step, one task per rank (one GPU each), ``realscale rank``,
+   which derives RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR from Slurm's variables
+   (rank 0 publishes a free port) and runs ``rank_main``; rank 0 also runs the rollout
+   controller.
+
+Both steps run with ``--kill-on-bad-exit``: one task failing ends its step, and the
+supervisor then ends the other step and exits non-zero (the job fails, nothing hangs).
+On CPU jobs the steps share the allocation's CPUs (``--overlap``); on GPU jobs they get
+disjoint GPUs (``--exact``).
+
+GPU paths (SGLang servers, NCCL over InfiniBand) are written but not run here: CI has a
+real one-node CPU Slurm cluster only (``.ci/slurm_up.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from realscale.launcher.dist_env import slurm_hostnames
+from realscale.launcher.local import LaunchError
+from realscale.launcher.spec import RunSpec, launch_dir, spec_path
+
+
+def in_allocation(env: Mapping[str, str] = os.environ) -> bool:
+    """True in a batch script or an salloc shell (a job, but not inside one of its steps)."""
+    return "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env
+
+
+def job_nodes(env: Mapping[str, str] = os.environ) -> list[str]:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError("not in a Slurm allocation: SLURM_JOB_NODELIST is not set (submit with sbatch, "
+                          "or use launch.backend=local)")
+    return slurm_hostnames(nodelist)
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which nodes run what. ``gpus_per_server`` / ``gpus_per_rank`` are 0 on CPU jobs."""
+
+    server_nodes: list[str]
+    servers: int
+    gpus_per_server: int
+    train_nodes: list[str]
+    ranks: int
+    gpus_per_rank: int
+
+    @property
+    def overlap(self) -> bool:
+        """CPU steps share the allocation's CPUs; GPU steps must not share GPUs."""
+        return self.gpus_per_rank == 0
+
+
+def _mesh_nodes(start: int, size: int, gpus_per_node: int, nodes: list[str]) -> list[str]:
+    first, last = start // gpus_per_node, (start + size - 1) // gpus_per_node
+    if last >= len(nodes):
+        raise LaunchError(f"the plan needs {last + 1} nodes, the job has {len(nodes)} ({','.join(nodes)}); "
+                          "submit with more --nodes or re-plan with launch.nodes")
+    return nodes[first:last + 1]
+
+
+def placement(cfg: Any, nodes: list[str]) -> Placement:
+    """Place servers and ranks on the job's nodes: from the plan on GPU jobs, everywhere
+    (servers first) on CPU jobs."""
+    world = cfg.parallel.world_size
+    if cfg.launch.gpus_per_node == 0:
+        return Placement(nodes, cfg.generate.num_servers, 0, nodes, world, 0)
+    if not cfg.parallel.plan:
+        raise LaunchError("a GPU job (launch.gpus_per_node > 0) needs parallel.plan: render one with "
+                          "`realscale sweep` or `realscale plan --out`")
+    from realscale.planner.plan import Plan
+
+    plan = Plan.load(cfg.parallel.plan)
+    gpn = cfg.launch.gpus_per_node
+    gen, train = plan.roles["actor_gen"], plan.roles["actor_train"]
+    if gen.strategy.pp != 1:
+        raise LaunchError(f"{cfg.parallel.plan}: actor_gen {gen.strategy} uses pipeline stages; servers are dp x tp")
+    if train.strategy.world != world:
+        raise LaunchError(f"{cfg.parallel.plan}: actor_train has {train.strategy.world} GPUs but parallel "
+                          f"dp*tp*pp = {world}")
+    return Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, gpn, nodes), gen.strategy.dp, gen.strategy.tp,
+                     _mesh_nodes(train.mesh.start, train.mesh.size, gpn, nodes), world, 1)
+
+
+# ----------------------------------------------------------------------------- srun
+
+
+def srun_command(role: str, nodes: list[str], ntasks: int, log_pattern: str, argv: list[str], *,
+                 gpus_per_task: int = 0, overlap: bool = True, cpus_per_task: int = 0) -> list[str]:
+    """One job step: ``ntasks`` tasks of ``argv`` on ``nodes``, each task logging to
+    ``log_pattern`` (``%t`` = task id), ended as a whole when any task fails."""
+    cmd = ["srun", f"--job-name={role}", f"--nodes={len(nodes)}", f"--ntasks={ntasks}",
+           f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", f"--output={log_pattern}",
+           "--open-mode=append",  # a requeued job appends to the logs of its first run
+           "--overlap" if overlap else "--exact"]
+    if gpus_per_task:
+        cmd.append(f"--gpus-per-task={gpus_per_task}")
+    if cpus_per_task:
+        cmd.append(f"--cpus-per-task={cpus_per_task}")
+    return cmd + argv
+
+
+def _rank_argv(spec: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "realscale", "rank", "--spec", spec, *extra]
+
+
+@dataclass
+class Step:
+    name: str
+    proc: subprocess.Popen
+    log: str
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def end(self, grace: float) -> None:
+        """SIGTERM srun (it forwards the signal to every task), then SIGKILL it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_step(name: str, cmd: list[str], log: str, env: Mapping[str, str]) -> Step:
+    """srun in its own session (Ctrl-C of the supervisor is handled by the supervisor)."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+    return Step(name, proc, log)
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+def check_shared_storage(out_dir: str, nodes: list[str], env: Mapping[str, str], timeout: float = 120.0) -> None:
+    """Every node must see the run directory as the batch host does: checkpoints, the run
+    spec, server URLs and the rank rendezvous all live there."""
+    if len(nodes) <= 1:
+        return
+    nonce = secrets.token_hex(8)
+    probe = os.path.join(launch_dir(out_dir), f"shared-check-{env.get('SLURM_JOB_ID', 'x')}")
+    with open(probe, "w", encoding="utf-8") as fh:
+        fh.write(nonce)
+    cmd = ["srun", "--job-name=shared-check", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+           "--ntasks-per-node=1", "--overlap", sys.executable, "-m", "realscale.launcher.roles", "shared-check",
+           probe, nonce]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(env))
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"shared-storage check of {out_dir} did not finish in {timeout:.0f} s") from None
+    finally:
+        os.remove(probe)
+    blind = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("MISSING ")]
+    if blind or res.returncode != 0:
+        who = ", ".join(blind) or f"(srun failed: {res.stderr.strip()[-300:]})"
+        raise LaunchError(f"run.output_dir: {os.path.abspath(out_dir)} is not on storage all nodes share: "
+                          f"nodes {who} cannot see it; use a shared file system (NFS, Lustre, GPFS)")
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def _wait_urls(url_dir: str, n: int, step: Step, timeout: float) -> list[str]:
+    """The n servers' URLs, each answering /health, in server order."""
+    deadline = time.monotonic() + timeout
+    urls: dict[int, str] = {}
+    while len(urls) < n:
+        if step.poll() is not None:
+            raise LaunchError(f"the generation-server step exited with code {step.poll()} before all "
+                              f"{n} servers were up; see {step.log} and the server logs next to it")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"generation servers not healthy after {timeout:.0f} s ({len(urls)} of {n}); "
+                              f"see {step.log}")
+        for i in range(n):
+            path = os.path.join(url_dir, f"{i}.url")
+            if i in urls or not os.path.exists(path):
+                continue
+            with open(path, encoding="utf-8") as fh:
+                url = fh.read().strip()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        urls[i] = url
+            except OSError:
+                pass
+        time.sleep(0.25)
+    return [urls[i] for i in range(n)]
+
+
+class SlurmBackend:
+    """Servers and ranks as job steps of the current allocation."""
+
+    def __init__(self, cfg: Any, out_dir: str, env: Mapping[str, str] | None = None) -> None:
+        self.cfg, self.out_dir = cfg, os.path.abspath(out_dir)
+        self.env = dict(os.environ if env is None else env)
+        self.env.update(cfg.launch.nccl)
+        self.env.update(cfg.launch.env)
+        # srun inherits the batch step's CPU binding and task count; the steps say their own
+        for key in ("SLURM_CPU_BIND", "SLURM_NTASKS_PER_NODE"):
+            self.env.pop(key, None)
+        if shutil.which("srun") is None:
+            raise LaunchError("launch.backend=slurm but srun is not on PATH")
+        self.nodes = job_nodes(self.env)
+        self.place = placement(cfg, self.nodes)
+        if len(self.nodes) > 1 and cfg.generate.host in ("127.0.0.1", "localhost"):
+            raise LaunchError(f"generate.host={cfg.generate.host} is reachable only on its own node; a "
+                              f"{len(self.nodes)}-node job needs generate.host=0.0.0.0")
+        self.logs = os.path.join(self.out_dir, "logs")
+        self.key = f"{self.env.get('SLURM_JOB_ID', 'job')}.{self.env.get('SLURM_RESTART_COUNT', '0')}"
+        self.servers: Step | None = None
+        self.ranks: Step | None = None
+
+    def prepare(self) -> None:
+        os.makedirs(self.logs, exist_ok=True)
+        os.makedirs(launch_dir(self.out_dir), exist_ok=True)
+        if self.cfg.launch.check_shared_storage:
+            check_shared_storage(self.out_dir, self.nodes, self.env)
+
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+        url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)
+        shutil.rmtree(url_dir, ignore_errors=True)
+        os.makedirs(url_dir)
+        spec = RunSpec(cfg_dict, model_dir, self.out_dir, [], url_dir).save(spec_path(self.out_dir))
+        p = self.place
+        nodes = p.server_nodes[:p.servers]  # fewer servers than nodes: one per node
+        cmd = srun_command("rs-servers", nodes, p.servers, os.path.join(self.logs, "server%t.log"),
+                           _rank_argv(spec, "--server"), gpus_per_task=p.gpus_per_server, overlap=p.overlap)
+        self.servers = start_step("servers", cmd, os.path.join(self.logs, "srun-servers.log"), self.env)
+        return _wait_urls(url_dir, p.servers, self.servers, self.cfg.launch.health_timeout)
+
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
+        """``fn`` is ``rank_main``, which ``realscale rank`` calls in each task; ``args`` are
+        its arguments, handed over in the run spec."""
+        cfg_dict, model_dir, urls, out_dir = args
+        spec = RunSpec(cfg_dict, model_dir, self.out_dir, list(urls)).save(spec_path(self.out_dir))
+        p = self.place
+        cmd = srun_command("rs-trainer", p.train_nodes[:world], world, os.path.join(self.logs, "rank%t.log"),
+                           _rank_argv(spec), gpus_per_task=p.gpus_per_rank, overlap=p.overlap,
+                           cpus_per_task=self.cfg.launch.cpus_per_task)
+        self.ranks = start_step("trainer", cmd, os.path.join(self.logs, "srun-trainer.log"), self.env)
+
+    def wait(self, poll: float = 0.5) -> int:
+        """Until the trainer step ends: its exit code; a server step that dies first fails the run."""
+        assert self.ranks is not None
+        while True:
+            code = self.ranks.poll()
+            if code is not None:
+                return code
+            if self.servers is not None and self.servers.poll() is not None:
+                print(f"realscale: the generation-server step exited (code {self.servers.poll()}); "
+                      f"stopping the trainer step. Logs: {self.logs}", flush=True)
+                return self.servers.poll() or 1
+            time.sleep(poll)
+
+    def stop(self, grace: float = 15.0) -> None:
+        for step in (self.ranks, self.servers):
+            if step is not None:
+                step.end(grace)
+
+    def requeue(self) -> None:
+        """Put this job back in the queue; it starts again from the batch script and the
+        run resumes from its last checkpoint."""
+        job = self.env.get("SLURM_JOB_ID")
+        res = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            raise LaunchError(f"scontrol requeue {job} failed: {res.stderr.strip()} (is the job --requeue-able? "
+                              "JobRequeue / --requeue)")

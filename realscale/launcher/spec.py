@@ -1,0 +1,87 @@
+"""The run directory as the meeting point of a launch.
+
+Every role of a run finds what it needs under ``<run dir>/launch/`` (on storage every
+node shares, see :mod:`realscale.launcher.slurm`):
+
+``spec.json``           the run's spec: resolved config, model dir, server URLs, out dir
+``servers/<key>/<i>.url``  generation server i's URL, written by the server itself once bound
+``rdzv/<key>``          rank 0's ``host:port`` for torch.distributed (see dist_env.rendezvous)
+``stop``                a stop request (preemption / time limit): the ranks checkpoint at
+                        the next step boundary and exit; its text says why
+
+Logs of every role go to ``<run dir>/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunSpec:
+    """What a rank or a server started by srun / torchrun / mpirun needs to know."""
+
+    config: dict[str, Any]
+    model_dir: str
+    out_dir: str
+    server_urls: list[str] = field(default_factory=list)
+    url_dir: str = ""  # where servers write their URL files (this launch's)
+
+    def save(self, path: str) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(asdict(self), fh, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "RunSpec":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"run spec not found: {path} (the launcher writes <run dir>/launch/spec.json)")
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        missing = {"config", "model_dir", "out_dir"} - set(data)
+        if missing:
+            raise ValueError(f"{path}: run spec lacks {sorted(missing)}")
+        return cls(**data)
+
+
+def launch_dir(out_dir: str) -> str:
+    return os.path.join(out_dir, "launch")
+
+
+def spec_path(out_dir: str) -> str:
+    return os.path.join(launch_dir(out_dir), "spec.json")
+
+
+def stop_path(out_dir: str) -> str:
+    return os.path.join(launch_dir(out_dir), "stop")
+
+
+def request_stop(out_dir: str, reason: str) -> None:
+    """Ask the trainer ranks to checkpoint at the next step boundary and exit."""
+    os.makedirs(launch_dir(out_dir), exist_ok=True)
+    tmp = stop_path(out_dir) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(reason + "\n")
+    os.replace(tmp, stop_path(out_dir))
+
+
+def stop_reason(out_dir: str) -> str | None:
+    """The pending stop request's reason, or None."""
+    try:
+        with open(stop_path(out_dir), encoding="utf-8") as fh:
+            return fh.read().strip() or "stop"
+    except FileNotFoundError:
+        return None
+
+
+def clear_stop(out_dir: str) -> None:
+    try:
+        os.remove(stop_path(out_dir))
+    except FileNotFoundError:
+        pass

@@ -510,7 +510,7 @@ def train(cfg: Config) -> int:
     if code == 0 and reason is not None:
         return stopped_early(cfg, backend, out_dir, reason)
     if code != 0:
-        print(f"realscale: a trainer rank failed (exit code {code}); logs under {out_dir}")
+        print(f"realscale: a process of the run failed (exit code {code}); logs under {out_dir}")
         return code
     final_dir = os.path.join(out_dir, "final")
     acc_end = _final_accuracy(cfg, out_dir, final_dir)

@@ -1,0 +1,135 @@
+"""`sbatch launch/slurm/ppo_tiny.sh` on a real one-node Slurm cluster (.ci/slurm_up.sh):
+one generation server step and one two-task trainer step under the Slurm backend.
+
+- a job that gets the time-limit signal (USR1) checkpoints, requeues itself and, started
+  again, resumes from that checkpoint: every step logged once, no prompt trained twice;
+- a killed job step (the generation servers) fails the job cleanly: non-zero exit, the
+  trainer step ended, no process left behind.
+
+Skipped, with the reason, where no Slurm controller answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("slurm")]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = "launch/slurm/ppo_tiny.sh"
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "REALSCALE_PYTHON": sys.executable, "PYTHONPATH": path}
+
+
+def _submit(out: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """``sbatch --wait`` the CI script in the background; returns it and the job id."""
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={out}/slurm-%j.out", SCRIPT, f"run.output_dir={out}",
+           *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = proc.stdout.readline().strip().split(";")[0]
+    assert job.isdigit(), f"sbatch printed {job!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+    return proc, job
+
+
+def _job(job: str) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S+)", text))
+
+
+def _trained_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if "train/loss" in line]
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, job: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_trained_steps(run)) < step:
+        if proc.poll() is not None:
+            pytest.fail(f"job {job} ended (sbatch exit {proc.returncode}) before step {step}: {_job(job)}")
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} did not reach step {step} in {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def _finish(proc: subprocess.Popen, job: str, timeout: float = 300) -> int:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", job])
+        pytest.fail(f"job {job} did not end within {timeout:.0f} s after the test's action: {_job(job)}")
+    return proc.returncode
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line names this run (its spec or run directory)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
+    total = 8
+    run = tmp_path / "ppo_tiny"
+    proc, job = _submit(tmp_path, f"run.total_steps={total}", "run.checkpoint_every=100")
+    _wait_for_step(run, 2, proc, job)
+    # what Slurm does `--signal=B:USR1@secs` before the time limit
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    assert _finish(proc, job) == 0, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+
+    info = _job(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    stopped = re.search(r"stopped on request \(requeue\); last checkpoint \S+step(\d+)", log)
+    assert stopped, log[-3000:]
+    assert 2 <= int(stopped[1]) < total  # checkpointed mid-run, at a step boundary
+    assert "restart 1" in log
+    # every step exactly once: the first run's steps up to its checkpoint, then the rest
+    assert _trained_steps(run) == list(range(1, total + 1))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m["step"]: m["version"] for m in metrics if "version" in m}[total] == float(total)
+    by_step = {}
+    for line in (run / "trained_uids.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec["uids"]
+    uids = [u for s in sorted(by_step) for u in by_step[s]]
+    assert sorted(by_step) == list(range(1, total + 1)) and len(uids) == len(set(uids))
+    # every role logged under the run directory
+    for name in ("rank0.log", "rank1.log", "server0.log"):
+        assert (run / "logs" / name).stat().st_size > 0, name
+    assert json.loads((run / "summary.json").read_text())["accuracy_end"] is not None
+
+
+def test_killed_server_step_fails_the_job_cleanly(tmp_path: Path) -> None:
+    run = tmp_path / "ppo_tiny"
+    proc, job = _submit(tmp_path, "run.total_steps=500")
+    _wait_for_step(run, 1, proc, job)
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True,
+                           text=True).stdout.split("\n")
+    server_step = [s.split()[0] for s in steps if s.endswith("rs-servers")]
+    assert server_step, steps
+    subprocess.run(["scancel", "--signal=KILL", server_step[0]], check=True)
+    t0 = time.monotonic()
+    code = _finish(proc, job, timeout=120)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert code != 0, log[-3000:]
+    assert time.monotonic() - t0 < 90, "the job took too long to fail"
+    assert "generation-server step exited" in log, log[-3000:]
+    info = _job(job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
+    assert len(_trained_steps(run)) < 500
+    time.sleep(1)
+    assert not _leftovers(str(run)), _leftovers(str(run))
+    assert not subprocess.run(["squeue", "-h", "-s", "-j", job], capture_output=True, text=True).stdout.strip()

@@ -75,11 +75,16 @@ class Placement:
         return self.gpus_per_rank == 0
 
 
+def _too_few_nodes(need: int, nodes: list[str]) -> LaunchError:
+    shown = ",".join(nodes[:4]) + (",..." if len(nodes) > 4 else "")
+    return LaunchError(f"the plan needs {need} nodes, the job has {len(nodes)} ({shown}); submit with more "
+                       "--nodes or re-plan with launch.nodes")
+
+
 def _mesh_nodes(start: int, size: int, gpus_per_node: int, nodes: list[str]) -> list[str]:
     first, last = start // gpus_per_node, (start + size - 1) // gpus_per_node
     if last >= len(nodes):
-        raise LaunchError(f"the plan needs {last + 1} nodes, the job has {len(nodes)} ({','.join(nodes)}); "
-                          "submit with more --nodes or re-plan with launch.nodes")
+        raise _too_few_nodes(last + 1, nodes)
     return nodes[first:last + 1]
 
 
@@ -96,6 +101,12 @@ def placement(cfg: Any, nodes: list[str]) -> Placement:
 
     plan = Plan.load(cfg.parallel.plan)
     gpn = cfg.launch.gpus_per_node
+    if plan.cluster is not None:
+        if plan.cluster.gpus_per_node != gpn:
+            raise LaunchError(f"{cfg.parallel.plan}: planned for {plan.cluster.gpus_per_node} GPUs per node, "
+                              f"launch.gpus_per_node is {gpn}")
+        if plan.cluster.nodes > len(nodes):
+            raise _too_few_nodes(plan.cluster.nodes, nodes)
     gen, train = plan.roles["actor_gen"], plan.roles["actor_train"]
     if gen.strategy.pp != 1:
         raise LaunchError(f"{cfg.parallel.plan}: actor_gen {gen.strategy} uses pipeline stages; servers are dp x tp")

@@ -1,0 +1,94 @@
+"""The Slurm backend's pure parts: where servers and ranks go, the srun command lines,
+the allocation test, the shared-storage probe, and the launch config's checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from realscale.config import ConfigError, load_config
+from realscale.launcher import LaunchError, backend_for
+from realscale.launcher.dist_env import expand_hostlist
+from realscale.launcher.local import LocalBackend
+from realscale.launcher.render import plan_for
+from realscale.launcher.roles import shared_check
+from realscale.launcher.slurm import in_allocation, placement, srun_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _planned(tmp_path: Path, recipe: str) -> object:
+    cfg = load_config(str(REPO / "configs" / recipe))
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(plan_for(cfg).to_yaml())
+    cfg.parallel.plan = str(plan_file)
+    from realscale.trainer import apply_plan
+
+    return apply_plan(cfg)
+
+
+def test_gpu_placement_follows_the_plan(tmp_path: Path) -> None:
+    cfg = _planned(tmp_path, "r1_distill_qwen_7b_math.yaml")  # 24 nodes: 18 generate, 6 train
+    nodes = expand_hostlist("gpu[001-024]")
+    p = placement(cfg, nodes)
+    assert p.server_nodes == nodes[:18] and p.train_nodes == nodes[18:]
+    assert p.servers * p.gpus_per_server == 144 and p.ranks == 48 and p.gpus_per_rank == 1
+    assert not p.overlap  # GPU steps must not share GPUs
+    with pytest.raises(LaunchError, match="the plan needs 24 nodes, the job has 8"):
+        placement(cfg, nodes[:8])
+
+
+def test_cpu_placement_and_srun_commands() -> None:
+    cfg = load_config(str(REPO / "configs" / "ppo_tiny_slurm.yaml"))
+    p = placement(cfg, ["vm"])
+    assert (p.servers, p.ranks, p.gpus_per_rank, p.overlap) == (1, 2, 0, True)
+    cmd = srun_command("rs-trainer", ["vm"], 2, "/r/logs/rank%t.log", ["python", "-m", "realscale", "rank"])
+    assert cmd[:1] == ["srun"] and cmd[-4:] == ["python", "-m", "realscale", "rank"]
+    for opt in ("--ntasks=2", "--nodelist=vm", "--kill-on-bad-exit=1", "--output=/r/logs/rank%t.log", "--overlap"):
+        assert opt in cmd, opt
+    gpu = srun_command("rs-servers", ["a", "b"], 4, "x%t", ["serve"], gpus_per_task=4, overlap=False)
+    assert "--gpus-per-task=4" in gpu and "--exact" in gpu and "--nodes=2" in gpu and "--nodelist=a,b" in gpu
+
+
+def test_gpu_job_without_a_plan_is_refused() -> None:
+    cfg = load_config(str(REPO / "configs" / "qwen_14b_code.yaml"))
+    with pytest.raises(LaunchError, match="needs parallel.plan"):
+        placement(cfg, ["n1"])
+
+
+def test_backend_choice() -> None:
+    assert in_allocation({"SLURM_JOB_ID": "3"})  # batch script / salloc shell
+    assert not in_allocation({"SLURM_JOB_ID": "3", "SLURM_STEP_ID": "0"})  # inside a step: a rank
+    assert not in_allocation({})
+    cfg = load_config(None, ["launch.backend=local"])
+    assert isinstance(backend_for(cfg, "/tmp/x"), LocalBackend)
+
+
+def test_shared_storage_probe(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    probe = tmp_path / "probe"
+    probe.write_text("abc")
+    shared_check(str(probe), "abc")
+    shared_check(str(probe), "other")  # an old file of another job
+    shared_check(str(tmp_path / "absent"), "abc")
+    out = capsys.readouterr().out.split("\n")
+    assert [line.split()[0] for line in out if line] == ["OK", "MISSING", "MISSING"]
+    # the probe runs without torch (it starts on every node of the job)
+    code = ("import sys, realscale.launcher.roles as r; r.shared_check(sys.argv[1], 'abc'); "
+            "assert 'torch' not in sys.modules")
+    res = subprocess.run([sys.executable, "-c", code, str(probe)], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0 and res.stdout.startswith("OK"), res.stderr
+
+
+def test_launch_config_errors() -> None:
+    with pytest.raises(ConfigError, match="launch.nccl: 'IB_HCA' is not an NCCL variable"):
+        load_config(None, ["launch.nccl={IB_HCA: mlx5}"])
+    with pytest.raises(ConfigError, match="launch.time: '3 hours' is not a Slurm time"):
+        load_config(None, ["launch.time=3 hours"])
+    with pytest.raises(ConfigError, match="launch.gen_fraction: must be in"):
+        load_config(None, ["launch.gen_fraction=1.0"])
+    with pytest.raises(ConfigError, match="launch.backend"):
+        load_config(None, ["launch.backend=k8s"])
+    assert load_config(None, ["launch.time=1-12:00:00"]).launch.time == "1-12:00:00"

@@ -188,3 +188,4 @@ class LocalBackend:
 
     def requeue(self) -> None:
         """Nothing requeues a local run: started again in the same directory, it resumes."""
+        print("realscale: run the same command again to resume from the checkpoint", flush=True)

@@ -1,0 +1,48 @@
+"""The stop request without Slurm: SIGUSR1 to `realscale train` makes the ranks
+checkpoint at the next step boundary and the run exit 0, before its last step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+REPO = Path(__file__).resolve().parents[2]
+ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "data.task_heldout=16", "run.total_steps=30",
+        "run.checkpoint_every=100", "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1",
+        "generate.max_new_tokens=4", "train.max_tokens_per_micro_batch=512", "rollout.filter_all_equal=false",
+        "launch.backend=local"]
+
+
+def test_sigusr1_checkpoints_and_exits(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r",
+                             *ARGS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while not metrics.exists() or metrics.read_text().count("train/loss") < 1:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "no first step in time"
+        time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGUSR1)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the run did not stop after SIGUSR1")
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped on request" in out and "run the same command again" in out, out[-3000:]
+    step = int((run / "latest_checkpoint").read_text().strip()[-6:])
+    trained = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if "train/loss" in line]
+    assert 1 <= step < 30 and trained == list(range(1, step + 1))
+    assert not (run / "summary.json").exists()  # no final evaluation of an unfinished run

@@ -2,7 +2,10 @@
 # Stop what .ci/slurm_up.sh started: cancel jobs, stop slurmd, slurmctld and munged.
 set -uo pipefail
 STATE=${SLURM_CI_STATE:-/var/lib/realscale-slurm}
-scancel --full --quiet --user root 2>/dev/null || true
+# cancel jobs only while a controller runs (scancel would retry an absent one for ~20 s)
+if [ -s "$STATE/slurmctld.pid" ] && kill -0 "$(cat "$STATE/slurmctld.pid")" 2>/dev/null; then
+  timeout 10 scancel --full --quiet --user root 2>/dev/null || true
+fi
 stop() {  # stop one daemon by its pid file, waiting for it to go
   local pidfile=$1
   [ -s "$pidfile" ] || return 0

@@ -16,10 +16,14 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
    || ! command -v sbatch >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  # policy-rc.d 101: the packages must not try to start daemons through init scripts
-  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  # policy-rc.d 101: the packages must not start daemons through init scripts (we start
+  # them below); an existing policy (container images often ship one) is left alone
+  own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && own_policy=1
+  fi
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
-  rm -f /usr/sbin/policy-rc.d
+  [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
 fi
 
 bash "$(dirname "$0")/slurm_down.sh" >/dev/null 2>&1 || true

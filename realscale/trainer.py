@@ -466,6 +466,14 @@ def _interrupt(signum: int, frame: Any) -> None:
 def train(cfg: Config) -> int:
     """The supervisor: prepare, start servers and trainer ranks (on this machine or as
     Slurm job steps, see realscale/launcher/), watch, report."""
+    previous_usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        return _supervise(cfg)
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
+
+
+def _supervise(cfg: Config) -> int:
     from realscale.launcher import LaunchError, backend_for, clear_stop, request_stop, stop_reason
     from realscale.metrics import plot_run, summary_text
 
@@ -475,7 +483,8 @@ def train(cfg: Config) -> int:
     backend = backend_for(cfg, out_dir)
     backend.prepare()  # under Slurm: is the run directory on storage every node shares?
     clear_stop(out_dir)  # the request that stopped an earlier (requeued) run is done with
-    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))
+    # USR1: Slurm's notice before the time limit (--signal=B:USR1@secs) or pre-emption
+    signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))
     save_config(cfg, out_dir)
     t0 = time.time()
     model_dir = prepare_model(cfg, out_dir)
@@ -505,9 +514,10 @@ def train(cfg: Config) -> int:
     finally:
         backend.stop()
         signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGUSR1, previous_usr1)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late notice must not kill the final evaluation
     reason = stop_reason(out_dir)
-    if code == 0 and reason is not None:
+    done = (latest_checkpoint(out_dir) or "").endswith(f"step{cfg.run.total_steps:06d}")
+    if code == 0 and reason is not None and not done:  # (a request after the last step changes nothing)
         return stopped_early(cfg, backend, out_dir, reason)
     if code != 0:
         print(f"realscale: a process of the run failed (exit code {code}); logs under {out_dir}")

@@ -35,17 +35,22 @@ def _threads(denv: DistEnv) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size))
 
 
-def trainer_rank(spec_path: str, env: dict[str, str] | None = None) -> int:
-    """Run one trainer rank of the run described by ``spec_path``."""
-    spec = RunSpec.load(spec_path)
-    environ = os.environ if env is None else env
-    denv = derive(environ)
-    rdzv = os.path.join(launch_dir(spec.out_dir), "rdzv", job_key(environ))
-    denv = rendezvous(denv, rdzv)
+def bootstrap(out_dir: str) -> DistEnv:
+    """Set this process's torch.distributed variables (RANK ... MASTER_PORT) from its
+    launcher's; the rendezvous file, if needed, lives under ``out_dir``."""
+    denv = derive(os.environ)
+    denv = rendezvous(denv, os.path.join(launch_dir(out_dir), "rdzv", job_key(os.environ)))
     os.environ.update(denv.exported())
     if denv.master_addr not in ("127.0.0.1", "localhost"):
         # servers on other nodes join rank 0's weight-update group at this address
         os.environ.setdefault("REALSCALE_ADVERTISE_HOST", socket.gethostname())
+    return denv
+
+
+def trainer_rank(spec_path: str) -> int:
+    """Run one trainer rank of the run described by ``spec_path``."""
+    spec = RunSpec.load(spec_path)
+    denv = bootstrap(spec.out_dir)
     import torch
 
     torch.set_num_threads(_threads(denv))

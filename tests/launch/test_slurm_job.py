@@ -81,7 +81,7 @@ def _leftovers(marker: str) -> list[str]:
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
-    total = 8
+    total = 12  # steps take ~1 s: the stop lands well before the end
     run = tmp_path / "ppo_tiny"
     proc, job = _submit(tmp_path, f"run.total_steps={total}", "run.checkpoint_every=100")
     _wait_for_step(run, 2, proc, job)

@@ -480,8 +480,12 @@ def _supervise(cfg: Config) -> int:
     cfg = apply_plan(cfg)
     out_dir = run_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
-    backend = backend_for(cfg, out_dir)
-    backend.prepare()  # under Slurm: is the run directory on storage every node shares?
+    try:
+        backend = backend_for(cfg, out_dir)
+        backend.prepare()  # under Slurm: is the run directory on storage every node shares?
+    except LaunchError as exc:
+        print(f"realscale: {exc}", flush=True)
+        return 1
     clear_stop(out_dir)  # the request that stopped an earlier (requeued) run is done with
     # USR1: Slurm's notice before the time limit (--signal=B:USR1@secs) or pre-emption
     signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))

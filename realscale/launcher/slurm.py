@@ -121,18 +121,26 @@ def placement(cfg: Any, nodes: list[str]) -> Placement:
 
 
 def srun_command(role: str, nodes: list[str], ntasks: int, log_pattern: str, argv: list[str], *,
-                 gpus_per_task: int = 0, overlap: bool = True, cpus_per_task: int = 0) -> list[str]:
+                 gpus_per_task: int = 0, overlap: bool = True, cpus_per_task: int = 0,
+                 tasks_per_node: int = 0) -> list[str]:
     """One job step: ``ntasks`` tasks of ``argv`` on ``nodes``, each task logging to
     ``log_pattern`` (``%t`` = task id), ended as a whole when any task fails."""
     cmd = ["srun", f"--job-name={role}", f"--nodes={len(nodes)}", f"--ntasks={ntasks}",
            f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", f"--output={log_pattern}",
            "--open-mode=append",  # a requeued job appends to the logs of its first run
            "--overlap" if overlap else "--exact"]
+    if tasks_per_node:
+        cmd.append(f"--ntasks-per-node={tasks_per_node}")
     if gpus_per_task:
         cmd.append(f"--gpus-per-task={gpus_per_task}")
     if cpus_per_task:
         cmd.append(f"--cpus-per-task={cpus_per_task}")
     return cmd + argv
+
+
+def _abs_if_dir(path: str) -> str:
+    """Steps on other nodes may start elsewhere than the batch step's directory."""
+    return os.path.abspath(path) if os.path.isdir(path) else path
 
 
 def _rank_argv(spec: str, *extra: str) -> list[str]:
@@ -257,11 +265,13 @@ class SlurmBackend:
         url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)
         shutil.rmtree(url_dir, ignore_errors=True)
         os.makedirs(url_dir)
-        spec = RunSpec(cfg_dict, model_dir, self.out_dir, [], url_dir).save(spec_path(self.out_dir))
+        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, [], url_dir).save(spec_path(self.out_dir))
         p = self.place
         nodes = p.server_nodes[:p.servers]  # fewer servers than nodes: one per node
+        per_node = self.cfg.launch.gpus_per_node // p.gpus_per_server if p.gpus_per_server else 0
         cmd = srun_command("rs-servers", nodes, p.servers, os.path.join(self.logs, "server%t.log"),
-                           _rank_argv(spec, "--server"), gpus_per_task=p.gpus_per_server, overlap=p.overlap)
+                           _rank_argv(spec, "--server"), gpus_per_task=p.gpus_per_server, overlap=p.overlap,
+                           tasks_per_node=per_node)
         self.servers = start_step("servers", cmd, os.path.join(self.logs, "srun-servers.log"), self.env)
         return _wait_urls(url_dir, p.servers, self.servers, self.cfg.launch.health_timeout)
 
@@ -269,11 +279,12 @@ class SlurmBackend:
         """``fn`` is ``rank_main``, which ``realscale rank`` calls in each task; ``args`` are
         its arguments, handed over in the run spec."""
         cfg_dict, model_dir, urls, out_dir = args
-        spec = RunSpec(cfg_dict, model_dir, self.out_dir, list(urls)).save(spec_path(self.out_dir))
+        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, list(urls)).save(spec_path(self.out_dir))
         p = self.place
         cmd = srun_command("rs-trainer", p.train_nodes[:world], world, os.path.join(self.logs, "rank%t.log"),
                            _rank_argv(spec), gpus_per_task=p.gpus_per_rank, overlap=p.overlap,
-                           cpus_per_task=self.cfg.launch.cpus_per_task)
+                           cpus_per_task=self.cfg.launch.cpus_per_task,
+                           tasks_per_node=self.cfg.launch.gpus_per_node if p.gpus_per_rank else 0)
         self.ranks = start_step("trainer", cmd, os.path.join(self.logs, "srun-trainer.log"), self.env)
 
     def wait(self, poll: float = 0.5) -> int:

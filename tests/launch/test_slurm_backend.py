@@ -49,8 +49,21 @@ def test_cpu_placement_and_srun_commands() -> None:
     assert cmd[:1] == ["srun"] and cmd[-4:] == ["python", "-m", "realscale", "rank"]
     for opt in ("--ntasks=2", "--nodelist=vm", "--kill-on-bad-exit=1", "--output=/r/logs/rank%t.log", "--overlap"):
         assert opt in cmd, opt
-    gpu = srun_command("rs-servers", ["a", "b"], 4, "x%t", ["serve"], gpus_per_task=4, overlap=False)
-    assert "--gpus-per-task=4" in gpu and "--exact" in gpu and "--nodes=2" in gpu and "--nodelist=a,b" in gpu
+    gpu = srun_command("rs-servers", ["a", "b"], 4, "x%t", ["serve"], gpus_per_task=4, overlap=False,
+                       tasks_per_node=2)
+    for opt in ("--gpus-per-task=4", "--exact", "--nodes=2", "--nodelist=a,b", "--ntasks-per-node=2"):
+        assert opt in gpu, opt
+    assert "--overlap" not in gpu
+
+
+def test_slurm_backend_outside_slurm_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from realscale.launcher.slurm import SlurmBackend
+
+    for key in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_config(None, ["launch.backend=slurm"])
+    with pytest.raises(LaunchError, match="srun is not on PATH|not in a Slurm allocation"):
+        SlurmBackend(cfg, str(tmp_path))
 
 
 def test_gpu_job_without_a_plan_is_refused() -> None:

@@ -258,8 +258,21 @@ class SlurmBackend:
     def prepare(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
         os.makedirs(launch_dir(self.out_dir), exist_ok=True)
+        self._link_batch_log()
         if self.cfg.launch.check_shared_storage:
             check_shared_storage(self.out_dir, self.nodes, self.env)
+
+    def _link_batch_log(self) -> None:
+        """The supervisor's own output (sbatch --output, wherever it is) appears in the
+        run's logs/ too, as batch-<job id>.out, so that every role's log is in one place."""
+        job = self.env.get("SLURM_JOB_ID")
+        if not job:
+            return
+        res = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=60)
+        stdout = [f.split("=", 1)[1] for f in res.stdout.split() if f.startswith("StdOut=")]
+        link = os.path.join(self.logs, f"batch-{job}.out")
+        if stdout and os.path.isfile(stdout[0]) and not os.path.lexists(link):
+            os.symlink(os.path.abspath(stdout[0]), link)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
         url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)

@@ -109,6 +109,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> N
     # every role logged under the run directory
     for name in ("rank0.log", "rank1.log", "server0.log"):
         assert (run / "logs" / name).stat().st_size > 0, name
+    assert "stopped on request" in (run / "logs" / f"batch-{job}.out").read_text()  # the supervisor's output
     assert json.loads((run / "summary.json").read_text())["accuracy_end"] is not None
 
 

@@ -3,8 +3,8 @@ one generation server step and one two-task trainer step under the Slurm backend
 
 - a job that gets the time-limit signal (USR1) checkpoints, requeues itself and, started
   again, resumes from that checkpoint: every step logged once, no prompt trained twice;
-- a killed job step (the generation servers) fails the job cleanly: non-zero exit, the
-  trainer step ended, no process left behind.
+- a killed job step (the generation servers), or one killed trainer task, fails the job
+  cleanly: non-zero exit, the other tasks and steps ended, no process left behind.
 
 Skipped, with the reason, where no Slurm controller answers.
 """
@@ -74,10 +74,25 @@ def _finish(proc: subprocess.Popen, job: str, timeout: float = 300) -> int:
     return proc.returncode
 
 
+def _processes() -> list[tuple[int, str, list[bytes]]]:
+    """(pid, command line, environment) of every process we may inspect (read from /proc:
+    ps truncates command lines to the terminal's width)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        out.append((int(entry.name), args, env))
+    return out
+
+
 def _leftovers(marker: str) -> list[str]:
     """Processes whose command line names this run (its spec or run directory)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+    return [f"{pid} {args}" for pid, args, _ in _processes() if marker in args]
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
@@ -113,21 +128,39 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> N
     assert json.loads((run / "summary.json").read_text())["accuracy_end"] is not None
 
 
-def test_killed_server_step_fails_the_job_cleanly(tmp_path: Path) -> None:
+def _rank_pid(run: Path, procid: str) -> int:
+    """The pid of trainer task ``procid`` of this run (from its command line and environment)."""
+    spec = f"{run}/launch/spec.json"
+    for pid, args, env in _processes():
+        if spec in args and "--server" not in args and " rank " in args and args.startswith(sys.executable) \
+                and f"SLURM_PROCID={procid}".encode() in env:
+            return pid
+    raise AssertionError(f"no trainer task {procid} of {run} found: {_leftovers(str(run))}")
+
+
+@pytest.mark.parametrize("victim", ["server step", "trainer rank 1"])
+def test_a_killed_process_fails_the_job_cleanly(tmp_path: Path, victim: str) -> None:
+    """A killed step (the servers), or one killed task of the trainer step: the other
+    tasks and the other step are ended, the job fails, nothing is left running."""
     run = tmp_path / "ppo_tiny"
     proc, job = _submit(tmp_path, "run.total_steps=500")
     _wait_for_step(run, 1, proc, job)
-    steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True,
-                           text=True).stdout.split("\n")
-    server_step = [s.split()[0] for s in steps if s.endswith("rs-servers")]
-    assert server_step, steps
-    subprocess.run(["scancel", "--signal=KILL", server_step[0]], check=True)
+    if victim == "server step":
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True,
+                               text=True).stdout.split("\n")
+        server_step = [s.split()[0] for s in steps if s.endswith("rs-servers")]
+        assert server_step, steps
+        subprocess.run(["scancel", "--signal=KILL", server_step[0]], check=True)
+        expect = "generation-server step exited"
+    else:
+        os.kill(_rank_pid(run, "1"), 9)
+        expect = "a process of the run failed"
     t0 = time.monotonic()
     code = _finish(proc, job, timeout=120)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert code != 0, log[-3000:]
     assert time.monotonic() - t0 < 90, "the job took too long to fail"
-    assert "generation-server step exited" in log, log[-3000:]
+    assert expect in log, log[-3000:]
     info = _job(job)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
     assert len(_trained_steps(run)) < 500

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("slurm")]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "launch/slurm/ppo_tiny.sh"
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def _env() -> dict[str, str]:
@@ -32,10 +33,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "REALSCALE_PYTHON": sys.executable, "PYTHONPATH": path}
 
 
-def _submit(out: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
-    """``sbatch --wait`` the CI script in the background; returns it and the job id."""
-    cmd = ["sbatch", "--wait", "--parsable", f"--output={out}/slurm-%j.out", SCRIPT, f"run.output_dir={out}",
-           *overrides]
+def _submit(out: Path, *overrides: str, wait: bool = True) -> tuple[subprocess.Popen, str]:
+    """``sbatch [--wait]`` the CI script in the background; returns it and the job id."""
+    cmd = ["sbatch", *(["--wait"] if wait else []), "--parsable", f"--output={out}/slurm-%j.out", SCRIPT,
+           f"run.output_dir={out}", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job = proc.stdout.readline().strip().split(";")[0]
     assert job.isdigit(), f"sbatch printed {job!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
@@ -57,12 +58,23 @@ def _trained_steps(run: Path) -> list[int]:
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, job: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while len(_trained_steps(run)) < step:
-        if proc.poll() is not None:
-            pytest.fail(f"job {job} ended (sbatch exit {proc.returncode}) before step {step}: {_job(job)}")
+        if (info := _job(job)).get("JobState") in ENDED:
+            pytest.fail(f"job {job} ended before step {step}: {info}")
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job])
             pytest.fail(f"job {job} did not reach step {step} in {timeout:.0f} s")
         time.sleep(0.3)
+
+
+def _ended(job: str, timeout: float) -> dict[str, str]:
+    """Poll the job until it has ended (sbatch --wait polls only every few seconds)."""
+    deadline = time.monotonic() + timeout
+    while (info := _job(job)).get("JobState") not in ENDED:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} did not end within {timeout:.0f} s: {info}")
+        time.sleep(0.3)
+    return info
 
 
 def _finish(proc: subprocess.Popen, job: str, timeout: float = 300) -> int:
@@ -143,7 +155,7 @@ def test_a_killed_process_fails_the_job_cleanly(tmp_path: Path, victim: str) -> 
     """A killed step (the servers), or one killed task of the trainer step: the other
     tasks and the other step are ended, the job fails, nothing is left running."""
     run = tmp_path / "ppo_tiny"
-    proc, job = _submit(tmp_path, "run.total_steps=500")
+    proc, job = _submit(tmp_path, "run.total_steps=500", wait=False)
     _wait_for_step(run, 1, proc, job)
     if victim == "server step":
         steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True,
@@ -156,13 +168,11 @@ def test_a_killed_process_fails_the_job_cleanly(tmp_path: Path, victim: str) -> 
         os.kill(_rank_pid(run, "1"), 9)
         expect = "a process of the run failed"
     t0 = time.monotonic()
-    code = _finish(proc, job, timeout=120)
+    info = _ended(job, timeout=120)
     log = (tmp_path / f"slurm-{job}.out").read_text()
-    assert code != 0, log[-3000:]
     assert time.monotonic() - t0 < 90, "the job took too long to fail"
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info
     assert expect in log, log[-3000:]
-    info = _job(job)
-    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", info
     assert len(_trained_steps(run)) < 500
     time.sleep(1)
     assert not _leftovers(str(run)), _leftovers(str(run))

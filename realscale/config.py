@@ -272,7 +272,7 @@ class SFTConfig:
     num_heads: int = knob(4, "Fresh model: attention heads.")
     num_kv_heads: int = knob(2, "Fresh model: key/value heads (grouped-query attention).")
     intermediate_size: int = knob(384, "Fresh model: MLP width.")
-    steps: int = knob(200, "Optimizer steps (200: held-out greedy accuracy ~26%, see realscale/sft.py).")
+    steps: int = knob(200, "Optimizer steps.")
     batch_size: int = knob(64, "Sequences (prompt + answer) per step.")
     lr: float = knob(3e-3, "Peak learning rate (linear warmup, then cosine to lr/10).")
     warmup_steps: int = knob(20, "Linear warmup steps.")

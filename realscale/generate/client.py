@@ -197,12 +197,25 @@ class InferenceClient:
             return False
 
     async def _alive(self, server: _Server) -> bool:
-        """/health with retries: a server slow to answer on a loaded machine is not dead."""
-        for attempt in range(self.max_retries + 1):
-            if await self._probe(server):
+        """Whether ``server`` is still there. A refused connection (nobody listens on the
+        port) or a 5xx answer, a few times in a row, means it is gone; a slow answer does
+        not: on a loaded machine a live server can take many seconds to answer, and
+        retiring it would cost the run a healthy server, so slow ones are waited for up
+        to ``request_timeout``."""
+        deadline = time.monotonic() + self.request_timeout
+        refusals = 0
+        while True:
+            try:
+                await self._request(server, "GET", "/health", timeout=min(10.0, self.request_timeout))
                 return True
-            await asyncio.sleep(self.backoff * 2 ** attempt)
-        return False
+            except (aiohttp.ClientConnectorError, aiohttp.ClientResponseError, ServerError):
+                refusals += 1
+                if refusals > self.max_retries:
+                    return False
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                if time.monotonic() > deadline:
+                    return False
+            await asyncio.sleep(self.backoff * 2 ** min(refusals, 5))
 
     async def _update_targets(self) -> list[_Server]:
         """The servers a weight update goes to: every server not retired that answers /health

@@ -133,7 +133,7 @@ class OptimConfig:
 class TrainConfig:
     """How a batch becomes optimizer steps."""
 
-    max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch.")
+    max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch. On CPU (local layer spec) attention is a dense block-causal mask over the packed row, so its cost grows with the square of this budget: keep it near 512 there.")
     mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
     logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
 
@@ -236,7 +236,12 @@ class DataConfig:
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
+    task_worked_fraction: float = knob(0.0, "task:arith SFT warm start: fraction of demonstrations answered column by column (\"47+38=\" -> \"(7+8=15,4+3+1=8)85\"); the rest answer directly.")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.task_worked_fraction <= 1.0:
+            raise ConfigError(f"data.task_worked_fraction: must be in [0, 1], got {self.task_worked_fraction}")
 
 
 @dataclass
@@ -268,7 +273,7 @@ class SFTConfig:
     num_heads: int = knob(4, "Fresh model: attention heads.")
     num_kv_heads: int = knob(2, "Fresh model: key/value heads (grouped-query attention).")
     intermediate_size: int = knob(384, "Fresh model: MLP width.")
-    steps: int = knob(200, "Optimizer steps (200: held-out greedy accuracy ~26%, see realscale/sft.py).")
+    steps: int = knob(200, "Optimizer steps.")
     batch_size: int = knob(64, "Sequences (prompt + answer) per step.")
     lr: float = knob(3e-3, "Peak learning rate (linear warmup, then cosine to lr/10).")
     warmup_steps: int = knob(20, "Linear warmup steps.")

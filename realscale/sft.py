@@ -93,24 +93,28 @@ def _standard_embedding_init(model_dir: str, seed: int) -> str:
     return model_dir
 
 
-def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int) -> Iterator[Any]:
+def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,
+            worked_fraction: float = 0.0) -> Iterator[Any]:
     """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
-    repeated within an epoch."""
+    repeated within an epoch. Each drawn example is answered worked out (column by column)
+    with probability ``worked_fraction``, else directly — drawn per use, so every problem
+    is seen in both styles and the model learns the mixture, not a style per problem."""
     import numpy as np
 
     from realscale.train.batch import PackedBatch
 
     if not problems:
         raise ValueError("sft: the training split is empty")
-    encoded = [encode_example(tokenizer, p) for p in problems]
+    encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
     rng = np.random.default_rng(seed)
+    style = np.random.default_rng(seed + 1)  # its own stream: fraction 0 keeps the old batches
     order: list[int] = []
     for _ in range(steps):
         while len(order) < batch_size:
             order += rng.permutation(len(encoded)).tolist()
         take, order = order[:batch_size], order[batch_size:]
-        yield PackedBatch.from_sequences([encoded[i][0] for i in take],
-                                         {"loss_mask": [_tensor(encoded[i][1]) for i in take]})
+        picked = [encoded[i][int(style.random() < worked_fraction)] for i in take]
+        yield PackedBatch.from_sequences([ids for ids, _ in picked], {"loss_mask": [_tensor(m) for _, m in picked]})
 
 
 def _tensor(values: list[float]) -> Any:
@@ -142,7 +146,8 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
     train = task_from_config(cfg.data).split("train")
     losses = []
     start = time.perf_counter()
-    for step, batch in enumerate(batches(tok, train, s.batch_size, s.steps, cfg.run.seed), start=1):
+    for step, batch in enumerate(batches(tok, train, s.batch_size, s.steps, cfg.run.seed,
+                                                   cfg.data.task_worked_fraction), start=1):
         stats = engine.train_step(batch, nll_loss)
         losses.append(stats["loss"])
         if step == 1 or step % 25 == 0 or step == s.steps:
@@ -181,7 +186,7 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
         from realscale.eval import evaluate, write_result
 
         heldout = task.split("heldout")[: cfg.sft.eval_size]
-        ev = evaluate(out_dir, heldout, seed=cfg.run.seed)
+        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens)
         write_result(ev, os.path.join(out_dir, "eval.json"))
         print(f"sft held-out: {ev.summary()}", flush=True)
         accuracy = ev.accuracy

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from realscale.config import Config, load_config, run_dir, save_config
+from realscale.config import Config, ConfigError, load_config, run_dir, save_config
 
 LATEST = "latest_checkpoint"
 
@@ -421,8 +421,35 @@ def prepare_model(cfg: Config, out_dir: str) -> str:
         target = sft_output_dir(cfg)
         if not os.path.isfile(os.path.join(target, "model.safetensors")):
             run_sft(cfg)
+        else:
+            _check_warm_start(cfg, target)
         return target
     return resolve_model_path(cfg.model.path)
+
+
+def _warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a warm start depends on: the sft section (less where it goes and its own
+    evaluation), the data section's task knobs and the seed."""
+    sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
+    data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k == "source"}
+    return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
+
+
+def _check_warm_start(cfg: Config, target: str) -> None:
+    """A cached warm start made by another recipe must not be reused silently."""
+    from omegaconf import OmegaConf
+
+    saved_path = os.path.join(target, "config.yaml")
+    if not os.path.isfile(saved_path):
+        return  # made by hand (or an older version): trust the user
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    want, have = _warm_start_recipe(asdict(cfg)), _warm_start_recipe(saved)
+    diff = [f"{sec}.{k}" for sec in ("sft", "data") for k in want[sec] if want[sec][k] != have[sec].get(k)]
+    if want["seed"] != have["seed"]:
+        diff.append("run.seed")
+    if diff:
+        raise ConfigError(f"the warm start in {target} was made with other settings ({', '.join(diff)}); "
+                          f"delete that directory to retrain it, or set sft.output to a new directory")
 
 
 def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:

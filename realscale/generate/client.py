@@ -66,6 +66,9 @@ class _Server:
     healthy: bool = True
     in_flight: int = 0
     failures: int = 0
+    # Missed a weight update (did not answer when it was sent): never back in rotation,
+    # because it would serve old weights under a version number it does not have.
+    retired: bool = False
 
 
 class InferenceClient:
@@ -86,6 +89,7 @@ class InferenceClient:
         self.pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._group_urls: list[str] = []  # members of the weight-update group, in rank order
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,7 +184,7 @@ class InferenceClient:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
-            for server in [s for s in self.servers if not s.healthy]:
+            for server in [s for s in self.servers if not s.healthy and not s.retired]:
                 if await self._probe(server):
                     log.info("server %s back in rotation", server.url)
                     server.healthy = True
@@ -191,6 +195,46 @@ class InferenceClient:
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ServerError):
             return False
+
+    async def _alive(self, server: _Server) -> bool:
+        """Whether ``server`` is still there. A refused connection (nobody listens on the
+        port) or a 5xx answer, a few times in a row, means it is gone; a slow answer does
+        not: on a loaded machine a live server can take many seconds to answer, and
+        retiring it would cost the run a healthy server, so slow ones are waited for up
+        to ``request_timeout``."""
+        deadline = time.monotonic() + self.request_timeout
+        refusals = 0
+        while True:
+            try:
+                await self._request(server, "GET", "/health", timeout=min(10.0, self.request_timeout))
+                return True
+            except (aiohttp.ClientConnectorError, aiohttp.ClientResponseError, ServerError):
+                refusals += 1
+                if refusals > self.max_retries:
+                    return False
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                if time.monotonic() > deadline:
+                    return False
+            await asyncio.sleep(self.backoff * 2 ** min(refusals, 5))
+
+    async def _update_targets(self) -> list[_Server]:
+        """The servers a weight update goes to: every server not retired that answers /health
+        now (also ones out of rotation after a failed request: they come back with the new
+        weights). One that does not answer is retired for good."""
+        candidates = [s for s in self.servers if not s.retired]
+        alive = await asyncio.gather(*(self._alive(s) for s in candidates))
+        targets = []
+        for server, ok in zip(candidates, alive):
+            if ok:
+                server.healthy = True
+                targets.append(server)
+            else:
+                log.warning("server %s does not answer /health; retired (it misses this weight update)", server.url)
+                server.retired, server.healthy = True, False
+        if not targets:
+            raise NoServerError(f"no generation server answers /health for the weight update: "
+                                f"{[s.url for s in self.servers]}")
+        return targets
 
     async def _broadcast(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> list[Any]:
         """Send to every healthy server at once; the first error is raised."""
@@ -237,27 +281,57 @@ class InferenceClient:
                               num_interruptions=interruptions, num_resends=resends,
                               latency=time.monotonic() - start)
 
+    async def _control(self, path: str, body: dict[str, Any]) -> None:
+        """POST to every server in rotation; one that cannot be reached is taken out of
+        rotation (a dead server must not stop the others from pausing or resuming)."""
+        targets = [s for s in self.servers if s.healthy]
+        results = await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets),
+                                       return_exceptions=True)
+        for server, res in zip(targets, results):
+            if isinstance(res, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)):
+                self._mark_down(server, res)
+            elif isinstance(res, BaseException):
+                raise res
+
     async def pause(self, mode: str = "abort") -> None:
-        await self._broadcast("POST", "/pause_generation", {"mode": mode})
+        await self._control("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self._broadcast("POST", "/continue_generation", {})
+        await self._control("/continue_generation", {})
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None) -> list[Any]:
         body: dict[str, Any] = {"model_path": path}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._broadcast("POST", "/update_weights_from_disk", body)
+        targets = await self._update_targets()
+        return list(await asyncio.gather(*(self._request(s, "POST", "/update_weights_from_disk", body)
+                                           for s in targets)))
 
     async def init_weights_update_group(self, sender: Any) -> None:
         """Join every server to ``sender``'s group (ranks 1..N) while the sender hosts rank 0."""
-        loop = asyncio.get_running_loop()
-        targets = [s for s in self.servers if s.healthy]
+        targets = [s for s in self.servers if s.healthy and not s.retired]
         if sender.world_size != len(targets) + 1:
             raise ValueError(f"sender.world_size={sender.world_size}, but {len(targets)} servers + 1 trainer rank")
+        await self._join_group(sender, targets)
+
+    async def _join_group(self, sender: Any, targets: list[_Server]) -> None:
+        loop = asyncio.get_running_loop()
         posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(i + 1))
                  for i, s in enumerate(targets)]
         await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
+        self._group_urls = [s.url for s in targets]
+
+    async def _regroup(self, sender: Any, targets: list[_Server]) -> None:
+        """A member of the weight-update group is gone, and a collective with a dead member
+        never completes: rebuild the group among ``targets`` on a fresh port."""
+        log.warning("weight-update group %s -> %s: rebuilding it", self._group_urls, [s.url for s in targets])
+        for s in targets:
+            try:
+                await self._request(s, "POST", "/destroy_weights_update_group", {"group_name": sender.group_name})
+            except ServerError:
+                pass  # never joined the old group
+        sender.reopen(world_size=len(targets) + 1)
+        await self._join_group(sender, targets)
 
     async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],
                              weight_version: Any = None) -> int:
@@ -269,7 +343,9 @@ class InferenceClient:
         from realscale.generate.weight_sync import bucket_meta
 
         loop = asyncio.get_running_loop()
-        targets = [s for s in self.servers if s.healthy]
+        targets = await self._update_targets()
+        if [s.url for s in targets] != self._group_urls:
+            await self._regroup(sender, targets)
         it = iter(buckets)
         bucket = next(it, None)
         sent = 0

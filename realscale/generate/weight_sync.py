@@ -97,6 +97,15 @@ class WeightSender:
             sent += t.numel() * t.element_size()
         return sent
 
+    def reopen(self, world_size: int) -> None:
+        """Drop the group and host a new one of ``world_size`` ranks on a fresh free port
+        (after a server left: the next :meth:`connect` waits for the remaining ones)."""
+        from realscale.parallel.spawn import free_port
+
+        self.group = None
+        self.world_size = world_size
+        self.master_port = free_port(self.master_address)
+
     def close(self) -> None:
         self.group = None
 

@@ -14,6 +14,14 @@ what the RL reward and the evaluator extract):
   ``add_generation_prompt=True`` (``<|im_start|>user\\n47+38=<|im_end|>\\n<|im_start|>assistant\\n``);
 - completion: the answer's tokens then the EOS token (``85<|endoftext|>``). The generation
   servers stop on the model's EOS, and the math reward takes the final number.
+
+Worked answers: an addition can also be answered by working it column by column first,
+``"47+38="`` -> ``"(7+8=15,4+3+1=8)85"``. The SFT warm start can mix the two styles
+(``data.task_worked_fraction``); the final number is the answer either way, so the reward
+does not care which style the policy uses — only whether the number is right. Working
+pays on this task (each column is a one-digit sum a tiny model learns quickly), and the
+default recipe's RL stage is there to find that out. Subtractions are always answered
+directly.
 """
 
 from __future__ import annotations
@@ -44,6 +52,21 @@ class Problem:
     @property
     def answer(self) -> str:
         return str(self.a + self.b if self.op == "+" else self.a - self.b)
+
+    def worked(self) -> str:
+        """The answer worked column by column, least significant first:
+        ``47+38`` -> ``"(7+8=15,4+3+1=8)85"``; the direct answer for a subtraction."""
+        if self.op != "+":
+            return self.answer
+        a, b, carry, cols = self.a, self.b, 0, []
+        while True:
+            da, db = a % 10, b % 10
+            total = da + db + carry
+            cols.append(f"{da}+{db}={total}" if not cols else f"{da}+{db}+{carry}={total}")
+            a, b, carry = a // 10, b // 10, total // 10
+            if a == 0 and b == 0:
+                break
+        return "(" + ",".join(cols) + ")" + self.answer
 
 
 @dataclass(frozen=True)
@@ -129,8 +152,9 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return workflow_prompt_ids(tokenizer, prompt)
 
 
-def encode_example(tokenizer: Any, problem: Problem) -> tuple[list[int], list[float]]:
+def encode_example(tokenizer: Any, problem: Problem, worked: bool = False) -> tuple[list[int], list[float]]:
     """(token ids, loss mask) of prompt + answer + EOS; the mask is 1 on answer and EOS tokens.
+    ``worked``: the column-by-column answer (:meth:`Problem.worked`) instead of the bare number.
 
     The mask follows the engine's log-prob alignment (``logp[j]`` predicts token ``j``),
     so it marks exactly the tokens the model must produce after the prompt.
@@ -138,7 +162,8 @@ def encode_example(tokenizer: Any, problem: Problem) -> tuple[list[int], list[fl
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; the answer could never end")
     head = prompt_ids(tokenizer, problem.prompt)
-    tail = [int(i) for i in tokenizer(problem.answer, add_special_tokens=False)["input_ids"]]
+    text = problem.worked() if worked else problem.answer
+    tail = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     tail.append(int(tokenizer.eos_token_id))
     return head + tail, [0.0] * len(head) + [1.0] * len(tail)
 

@@ -77,3 +77,47 @@ def tiny_tokenizer():
     from realscale.models.tiny import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
+
+
+def _column_sums(worked: str) -> int:
+    """Re-add a worked answer's columns: every column's digits plus carry, as written."""
+    cols, total = worked[1:worked.index(")")].split(","), 0
+    for i, col in enumerate(cols):
+        lhs, rhs = col.split("=")
+        assert sum(int(x) for x in lhs.split("+")) == int(rhs)  # each column adds up
+        total += (int(rhs) % 10) * 10 ** i
+    return total + (int(cols[-1].split("=")[1]) // 10) * 10 ** len(cols)
+
+
+def test_worked_answers_add_up_and_end_in_the_answer() -> None:
+    assert Problem(47, "+", 38).worked() == "(7+8=15,4+3+1=8)85"
+    assert Problem(9, "-", 3).worked() == "6"  # subtractions are answered directly
+    for p in ArithTask(max_operand=120, ops="+", heldout_size=10).all_problems()[::37]:
+        w = p.worked()
+        assert w.endswith(")" + p.answer) and _column_sums(w) == int(p.answer), w
+        assert is_correct(w, p.answer) and not is_correct(w[:-1] + str((int(w[-1]) + 1) % 10), p.answer)
+
+
+def test_sft_batches_mix_the_two_styles_by_fraction() -> None:
+    from realscale.models.tiny import build_tiny_model
+    from realscale.sft import batches
+    from transformers import AutoTokenizer
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = AutoTokenizer.from_pretrained(build_tiny_model(d))
+    problems = ArithTask(max_operand=29, heldout_size=10).split("train")
+    open_paren = tok("(", add_special_tokens=False)["input_ids"][0]
+
+    def worked_share(fraction: float) -> float:
+        firsts = []
+        for b in batches(tok, problems, batch_size=64, steps=8, seed=0, worked_fraction=fraction):
+            cu = b.cu_seqlens.tolist()
+            mask = b.fields["loss_mask"]
+            for s, e in zip(cu[:-1], cu[1:]):
+                first = s + int(mask[s:e].nonzero()[0])  # the first answer token
+                firsts.append(int(b.input_ids[first]) == open_paren)
+        return sum(firsts) / len(firsts)
+
+    assert worked_share(0.0) == 0.0 and worked_share(1.0) == 1.0
+    assert 0.4 < worked_share(0.5) < 0.6

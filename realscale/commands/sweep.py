@@ -18,8 +18,10 @@ import os
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sweep", help="sweep YAML (jobs: name -> recipe + overrides; optional grid)")
     parser.add_argument("--out", default="", help="directory for scripts and plans/ (default: runs/sweeps/<name>)")
-    parser.add_argument("--dry-run", action="store_true", help="print every job's plan and sbatch script; write nothing")
-    parser.add_argument("--check", action="store_true", help="fail (exit 1) if the files under --out differ from a fresh render")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print every job's plan and sbatch script; write nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="fail (exit 1) if the files under --out differ from a fresh render")
     parser.add_argument("--submit", action="store_true", help="after writing, submit every script with sbatch")
 
 

@@ -200,7 +200,9 @@ def rendezvous(denv: DistEnv, path: str, timeout: float = 300.0) -> DistEnv:
         except ImportError:
             MPI = None
         if MPI is not None:
-            mine = (denv.master_addr or socket.gethostname(), denv.master_port or _free_port()) if denv.rank == 0 else None
+            mine = None
+            if denv.rank == 0:
+                mine = (denv.master_addr or socket.gethostname(), denv.master_port or _free_port())
             addr, port = MPI.COMM_WORLD.bcast(mine, root=0)
             return DistEnv(**{**denv.__dict__, "master_addr": addr, "master_port": port})
     if denv.rank == 0:

@@ -15,8 +15,8 @@ starting from ``x``; the answer is the last digit, ``(x + 3n) mod 10``::
 With the byte-level tiny tokenizer (one token per character) an item is 5 tokens
 (counters are zero-padded to two digits), so the response is ``5n`` tokens, EOS included,
 and ``n`` is drawn from a truncated discrete power law ``P(n) ∝ n^-alpha`` on
-``min_steps..max_steps``. With the defaults (2..64, alpha 1.5): median 4-5 steps (~20
-tokens), mean ~9-10 (~45 tokens), longest 64 (320 tokens).
+``min_steps..max_steps``. With the defaults (2..64, alpha 1.5): median 5 steps (25
+tokens), mean ~10 (~49 tokens), longest 64 (320 tokens).
 
 Why this shape: every token is a function of the few tokens before it, at fixed offsets
 (the previous counter and running digit), so a tiny transformer learns the procedure in a

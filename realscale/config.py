@@ -230,14 +230,17 @@ class DataConfig:
     """The prompt dataset."""
 
     source: str = knob("gym:basic_arithmetic", "JSONL/Parquet path, or gym:<task> for a reasoning-gym generator.")
-    size: int = knob(2048, "Number of procedural samples (gym sources only).")
+    size: int = knob(2048, "Number of procedural samples (gym sources; task:long_tail: training problems).")
     shuffle: bool = knob(True, "Shuffle deterministically each epoch (seeded by run.seed).")
     max_prompt_tokens: int = knob(256, "Prompts longer than this are skipped and counted.")
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
-    task_worked_fraction: float = knob(0.0, "task:arith SFT warm start: fraction of demonstrations answered column by column (\"47+38=\" -> \"(7+8=15,4+3+1=8)85\"); the rest answer directly.")
+    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad, so use 1.0); the rest answer directly.")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
+    task_min_steps: int = knob(2, "task:long_tail sources: fewest scratchpad steps of a problem.")
+    task_max_steps: int = knob(64, "task:long_tail sources: most scratchpad steps of a problem (at most 99).")
+    task_tail_alpha: float = knob(1.5, "task:long_tail sources: P(steps = n) ∝ n^-alpha (smaller: heavier tail).")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.task_worked_fraction <= 1.0:

@@ -68,6 +68,10 @@ class Problem:
                 break
         return "(" + ",".join(cols) + ")" + self.answer
 
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {"task": "arith", "a": self.a, "op": self.op, "b": self.b}
+
 
 @dataclass(frozen=True)
 class ArithTask:
@@ -107,29 +111,36 @@ class ArithTask:
         return [problems[i] for i in picked]
 
 
-TASKS: dict[str, type[ArithTask]] = {"arith": ArithTask}
+TASKS: tuple[str, ...] = ("arith", "long_tail")  # names after "task:" in data.source
 
 
-def task_from_config(data_cfg: Any) -> ArithTask:
-    """The task a :class:`realscale.config.DataConfig` describes (its ``task_*`` knobs)."""
+def task_from_config(data_cfg: Any) -> Any:
+    """The task a :class:`realscale.config.DataConfig` describes: ``task:long_tail`` selects
+    :class:`realscale.tasks.long_tail.LongTailTask`, anything else the arithmetic task (its
+    ``task_*`` knobs). Every task has ``split(name)`` -> problems with ``prompt``,
+    ``answer`` (the direct answer), ``worked()`` (the worked answer) and ``metadata``."""
+    if data_cfg.source == TASK_PREFIX + "long_tail":
+        from realscale.tasks.long_tail import LongTailTask  # it imports nothing from here: no cycle
+
+        return LongTailTask.from_config(data_cfg)
     return ArithTask(max_operand=data_cfg.task_max_operand, ops=data_cfg.task_ops,
                      heldout_size=data_cfg.task_heldout, seed=data_cfg.task_seed)
 
 
-def write_jsonl(problems: list[Problem], path: str) -> str:
+def write_jsonl(problems: list[Any], path: str) -> str:
     """Rows ``{"prompt", "answer", "metadata"}`` (the PromptDataset schema), written atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         for p in problems:
-            row = {"prompt": p.prompt, "answer": p.answer, "metadata": {"task": "arith", "a": p.a, "op": p.op, "b": p.b}}
+            row = {"prompt": p.prompt, "answer": p.answer, "metadata": p.metadata}
             fh.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
     return path
 
 
-def resolve_task_source(source: str, task: ArithTask, out_dir: str, split: str = "train") -> str:
-    """``task:arith`` -> ``<out_dir>/arith-<split>.jsonl`` (written now); any other source unchanged.
+def resolve_task_source(source: str, task: Any, out_dir: str, split: str = "train") -> str:
+    """``task:<name>`` -> ``<out_dir>/<name>-<split>.jsonl`` (written now); any other source unchanged.
 
     The RL trainer calls this on ``data.source`` so the existing JSONL reader serves the
     task: no second dataset code path.

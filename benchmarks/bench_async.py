@@ -1,0 +1,214 @@
+"""Asynchronous vs synchronous RL: effective training throughput, same machine, same recipe.
+
+    python benchmarks/bench_async.py [--recipe configs/long_tail_cpu.yaml] [--eta 4] [--steps N]
+
+One warm start (``realscale sft``, shared), then two ``realscale train`` runs of the same
+recipe with the same seeds and the same number of steps (so the same number of trained
+groups and trajectories), one after the other: ``rollout.max_staleness = eta`` (async)
+and ``= 0`` (synchronous RL through the same code). Each run starts from a fresh run
+directory (a stale one would be resumed).
+
+What is timed: the RL phase only, from the trainer's first ``get_batch`` call to the end
+of the last weight push, i.e. the sum of the steps' ``perf/step_s`` (the step loop runs
+them back to back; the recipe saves no checkpoint before the last step). Excluded: the
+SFT warm start, generation-server and trainer start-up, the held-out evaluations, the final
+checkpoint and HF export. Effective training throughput = trained tokens (response tokens
+with loss mask 1, summed over steps) / that time. Accuracy: held-out accuracy of each run's
+final weights (greedy and sampled, ``summary.json``), at equal trained samples.
+
+Writes ``benchmarks/results/async_vs_sync.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_RECIPE = os.path.join(REPO, "configs", "long_tail_cpu.yaml")
+RESULT = os.path.join(REPO, "benchmarks", "results", "async_vs_sync.json")
+
+
+def _realscale(args: list[str], log_path: str) -> float:
+    """Run ``python -m realscale ARGS`` from this checkout, output to ``log_path``; seconds taken."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.run([sys.executable, "-m", "realscale", *args], cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            tail = fh.read()[-3000:]
+        raise SystemExit(f"bench_async: `realscale {' '.join(args)}` failed (exit {proc.returncode}); "
+                         f"log {log_path}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def _load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
+    """Throughput and accuracy of one finished run, from its metrics.jsonl and summary.json."""
+    sys.path.insert(0, REPO)
+    from realscale.metrics import read_metrics
+
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "perf/step_s" in r]
+    if len(records) != steps:
+        raise SystemExit(f"bench_async: {run_dir} logged {len(records)} training steps, expected {steps}")
+    total = lambda key: float(sum(r[key] for r in records))  # noqa: E731
+    rl_seconds = total("perf/step_s")
+    tokens = total("perf/trained_tokens")
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+        summary = json.load(fh)
+    last = records[-1]
+    generated_groups = int(last.get("rollout_ctl/submitted", 0))
+    later = records[1:]  # without step 1: pipeline fill and one-off costs (reward pool start, first update)
+    later_seconds = float(sum(r["perf/step_s"] for r in later))
+    return {
+        "rl_seconds": rl_seconds,
+        "step1_seconds": float(records[0]["perf/step_s"]),
+        "step1_train_s": float(records[0]["perf/train_s"]),
+        "trained_tokens_per_s_after_step1": float(sum(r["perf/trained_tokens"] for r in later)) / later_seconds,
+        "trained_tokens": tokens,
+        "trained_tokens_per_s": tokens / rl_seconds,
+        "trained_trajectories": int(total("rollout/trajectories")),
+        "trained_groups": int(total("rollout/groups")),
+        "wait_rollout_s": total("perf/wait_rollout_s"),
+        "train_s": total("perf/train_s"),
+        "weight_sync_s": total("perf/weight_sync_s"),
+        "mean_response_len": sum(r["rollout/response_len"] for r in records) / len(records),
+        "max_response_len": max(r["rollout/response_len_max"] for r in records),
+        "interruptions": int(total("rollout/interruptions")),
+        "submitted_groups": generated_groups,
+        "rejected_groups": int(last.get("rollout_ctl/rejected", 0)),
+        "staleness_hist": {str(k): v for k, v in sorted(Counter(
+            {int(k): int(v) for k, v in summary.get("staleness_hist", {}).items()}).items())},
+        "staleness_max": max(r["staleness/max"] for r in records),
+        "accuracy_start": summary["accuracy_start"],
+        "accuracy_end": summary["accuracy_end"],
+        "reward_first": records[0]["reward/mean"],
+        "reward_last": records[-1]["reward/mean"],
+        "total_seconds": summary["seconds"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default=DEFAULT_RECIPE, help="YAML recipe (default: configs/long_tail_cpu.yaml)")
+    ap.add_argument("--eta", type=int, default=4, help="staleness bound of the asynchronous run (the other is 0)")
+    ap.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the recipe's run.total_steps)")
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_async"), help="run directories go here")
+    ap.add_argument("--reuse-sft", action="store_true", help="keep an existing warm start in --work (default: redo it)")
+    ap.add_argument("--out", default=RESULT, help="result JSON")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides applied to both runs, e.g. rollout.batch_size=8")
+    args = ap.parse_args()
+    if args.eta < 1:
+        raise SystemExit(f"bench_async: --eta must be >= 1 (the synchronous run is eta=0), got {args.eta}")
+    if not os.path.isfile(args.recipe):
+        raise SystemExit(f"bench_async: recipe not found: {args.recipe}")
+
+    sys.path.insert(0, REPO)
+    from realscale.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    steps = args.steps or cfg.run.total_steps
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    sft_dir = os.path.join(work, "sft")
+    common = [args.recipe, *args.overrides, f"sft.output={sft_dir}", f"run.output_dir={work}", f"run.total_steps={steps}"]
+
+    t_all = time.perf_counter()
+    load = {"start": _load_avg()}
+    if not (args.reuse_sft and os.path.isfile(os.path.join(sft_dir, "model.safetensors"))):
+        shutil.rmtree(sft_dir, ignore_errors=True)
+        print(f"warm start (realscale sft) -> {sft_dir}", flush=True)
+        _realscale(["sft", *common], os.path.join(work, "sft.log"))
+    runs: dict[str, dict[str, Any]] = {}
+    for name, eta in ((f"async_eta{args.eta}", args.eta), ("sync_eta0", 0)):
+        run_dir = os.path.join(work, name)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a leftover run directory would be resumed
+        print(f"{name}: realscale train, rollout.max_staleness={eta}, {steps} steps", flush=True)
+        seconds = _realscale(["train", *common, f"run.name={name}", f"rollout.max_staleness={eta}"],
+                             os.path.join(work, f"{name}.log"))
+        runs[name] = {"max_staleness": eta, "wall_seconds": seconds, **summarize_run(run_dir, steps)}
+        load[name] = _load_avg()
+        print(f"  {runs[name]['rl_seconds']:.1f} s RL phase, {runs[name]['trained_tokens_per_s']:.1f} trained tok/s",
+              flush=True)
+
+    a, s = runs[f"async_eta{args.eta}"], runs["sync_eta0"]
+    if a["trained_trajectories"] != s["trained_trajectories"]:
+        raise SystemExit("bench_async: the two runs trained different numbers of samples: "
+                         f"{a['trained_trajectories']} vs {s['trained_trajectories']}")
+    ratio = a["trained_tokens_per_s"] / s["trained_tokens_per_s"]
+    ratio_later = a["trained_tokens_per_s_after_step1"] / s["trained_tokens_per_s_after_step1"]
+    acc_gap = {k: 100 * (a["accuracy_end"][k] - s["accuracy_end"][k]) for k in a["accuracy_end"]}
+    result = {
+        "benchmark": "async_vs_sync",
+        "command": "python benchmarks/bench_async.py " + " ".join(sys.argv[1:]),
+        "recipe": os.path.relpath(args.recipe, REPO),
+        "overrides": args.overrides,
+        "steps": steps,
+        "timed": "sum of perf/step_s over all RL steps: first get_batch to the end of the last weight push "
+                 "(excludes SFT, server/trainer start-up, evaluation, final checkpoint and export)",
+        "throughput_ratio": ratio,
+        "throughput_ratio_after_step1": ratio_later,
+        "accuracy_gap_points": acc_gap,
+        "accuracy_within_2_points": abs(acc_gap["greedy"]) <= 2.0,
+        "runs": runs,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_1_5_15": load},
+        "benchmark_seconds": time.perf_counter() - t_all,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(_table(result, args.eta))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _table(result: dict[str, Any], eta: int) -> str:
+    rows = [("", f"async eta={eta}", "sync eta=0")]
+    a, s = result["runs"][f"async_eta{eta}"], result["runs"]["sync_eta0"]
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    for label, fmt in (("RL phase s (step 1)", lambda r: f"{r['rl_seconds']:.1f} ({r['step1_seconds']:.1f})"),
+                       ("trained tokens", lambda r: f"{r['trained_tokens']:.0f}"),
+                       ("trained tokens/s", lambda r: f"{r['trained_tokens_per_s']:.1f}"),
+                       ("trained tokens/s after step 1", lambda r: f"{r['trained_tokens_per_s_after_step1']:.1f}"),
+                       ("trained trajectories", lambda r: str(r["trained_trajectories"])),
+                       ("wait for rollouts s", lambda r: f"{r['wait_rollout_s']:.1f}"),
+                       ("train s", lambda r: f"{r['train_s']:.1f}"),
+                       ("weight sync s", lambda r: f"{r['weight_sync_s']:.1f}"),
+                       ("mean / max response len", lambda r: f"{r['mean_response_len']:.1f} / {r['max_response_len']:.0f}"),
+                       ("staleness histogram", lambda r: json.dumps(r["staleness_hist"])),
+                       ("groups submitted / rejected", lambda r: f"{r['submitted_groups']} / {r['rejected_groups']}"),
+                       ("interrupted requests", lambda r: str(r["interruptions"])),
+                       ("held-out greedy start -> end", lambda r: f"{pct(r['accuracy_start']['greedy'])} -> "
+                                                                 f"{pct(r['accuracy_end']['greedy'])}"),
+                       ("held-out sampled start -> end", lambda r: f"{pct(r['accuracy_start']['sampled'])} -> "
+                                                                  f"{pct(r['accuracy_end']['sampled'])}")):
+        rows.append((label, fmt(a), fmt(s)))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in width))
+    gap = result["accuracy_gap_points"]
+    lines.append(f"throughput ratio async/sync: {result['throughput_ratio']:.2f}x (after step 1: "
+                 f"{result['throughput_ratio_after_step1']:.2f}x); accuracy gap (async - sync): "
+                 f"greedy {gap['greedy']:+.1f} points, sampled {gap['sampled']:+.1f} points")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

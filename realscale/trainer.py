@@ -431,7 +431,7 @@ def _warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """What a warm start depends on: the sft section (less where it goes and its own
     evaluation), the data section's task knobs and the seed."""
     sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
-    data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k == "source"}
+    data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k in ("source", "size")}
     return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
 
 

@@ -304,8 +304,13 @@ def truncate_logs(out_dir: str, last_step: int) -> None:
         os.replace(tmp, path)
 
 
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint taken after ``step`` (under ``checkpoints/``)."""
+    return f"step{step:06d}"
+
+
 def save_checkpoint(ctx: RankContext) -> None:
-    ckpt = os.path.join(ctx.out_dir, "checkpoints", f"step{ctx.step:06d}")
+    ckpt = os.path.join(ctx.out_dir, "checkpoints", checkpoint_name(ctx.step))
     extra = {"step": ctx.step, "version": ctx.version}
     if ctx.is_driver:
         extra["controller"] = ctx.controller.state_dict()
@@ -547,7 +552,7 @@ def _supervise(cfg: Config) -> int:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late notice must not kill the final evaluation
     reason = stop_reason(out_dir)
-    done = (latest_checkpoint(out_dir) or "").endswith(f"step{cfg.run.total_steps:06d}")
+    done = (latest_checkpoint(out_dir) or "").endswith(checkpoint_name(cfg.run.total_steps))
     if code == 0 and reason is not None and not done:  # (a request after the last step changes nothing)
         return stopped_early(cfg, backend, out_dir, reason)
     if code != 0:

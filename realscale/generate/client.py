@@ -236,11 +236,6 @@ class InferenceClient:
                                 f"{[s.url for s in self.servers]}")
         return targets
 
-    async def _broadcast(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> list[Any]:
-        """Send to every healthy server at once; the first error is raised."""
-        targets = [s for s in self.servers if s.healthy]
-        return list(await asyncio.gather(*(self._request(s, method, path, body, timeout) for s in targets)))
-
     # ------------------------------------------------------------------ API
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
+from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 
 
@@ -32,7 +33,7 @@ def _threads(denv: DistEnv) -> int:
     """CPU threads per rank: what Slurm gave the task, else a share of this node's cores."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):
         return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
-    return max(1, (os.cpu_count() or 1) // max(1, denv.local_world_size))
+    return rank_threads(max(1, denv.local_world_size))
 
 
 def bootstrap(out_dir: str) -> DistEnv:

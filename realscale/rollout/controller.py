@@ -13,14 +13,25 @@ Filters, in order:
   the prompt is re-queued after a back-off. ``max_consecutive_failures`` failures with no
   success between them mean the servers are gone: :meth:`get_batch` raises
   :class:`RolloutError` naming the last error.
-- *stale*: the group's oldest token lags the current version by more than η. The
-  capacity rule bounds how far submissions run ahead, but an episode that started long
-  ago can finish late; such a group can never be trained within the bound, so it is
-  dropped and its prompt re-queued. :meth:`set_version` applies the same check to the
-  buffer. Hence every group :meth:`get_batch` returns has
+- *stale*: the group's oldest token lags the current version by more than η. With the
+  batching rule below this cannot happen while versions move one at a time; it stays as
+  the safety net for a trainer that skips versions. Such a group can never be trained
+  within the bound, so it is dropped and its prompt re-queued. :meth:`set_version`
+  applies the same check to the buffer. Hence every group :meth:`get_batch` returns has
   ``version_at_train - min_version <= η``.
 - *all_equal* (``filter_all_equal``, DAPO dynamic sampling): a group whose rewards are
   all equal teaches nothing; it is dropped for good and a replacement prompt drawn.
+
+Batching (:meth:`get_batch`), oldest submission first, with a deadline. At version V a
+group submitted at version ``s <= V - η`` must be trained now: at V + 1 it would lag more
+than η. The capacity rule admits at most ``(V + 1)·B`` groups with ``s <= V - η`` over the
+whole run and ``V·B`` were trained before, so at most B such *due* groups exist and they
+fit one batch. ``get_batch`` therefore returns the B buffered groups with the oldest
+submission, and waits while a due group is still generating. So a long episode is never
+thrown away for staleness (which would bias training towards short answers); the
+trainer waits for it instead, and that wait is the price of the bound. η = 0 makes every
+running group due: the synchronous step. (AReaL enforces η only through the capacity
+rule; a late episode there is trained beyond the bound.)
 
 Checkpoints (:meth:`state_dict`): in-flight and buffered groups are not saved; a resumed
 run regenerates them. Every sample drawn from the dataset gets a sequence number and
@@ -110,6 +121,8 @@ class RolloutController:
         self._fatal: RolloutError | None = None
         self._lag_hist: collections.Counter[int] = collections.Counter()
         self._submit_versions: collections.Counter[int] = collections.Counter()
+        self._running_versions: collections.Counter[int] = collections.Counter()  # in flight, by submit version
+        self._due_waits = 0  # get_batch calls that waited for a due group still generating
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -144,18 +157,25 @@ class RolloutController:
         self._main.add_done_callback(self._on_main_done)
 
     def get_batch(self, num_groups: int, timeout: float | None = None) -> list[Group]:
-        """The ``num_groups`` oldest accepted groups; blocks up to ``timeout`` seconds
-        (None: forever). Raises TimeoutError, RolloutError, or RolloutExhausted."""
+        """The ``num_groups`` accepted groups submitted first, once no group that is due at
+        this version is still generating (module docstring, "Batching"); blocks up to
+        ``timeout`` seconds (None: forever). Raises TimeoutError, RolloutError, or
+        RolloutExhausted."""
         if num_groups < 1:
             raise ValueError(f"get_batch: num_groups must be >= 1, got {num_groups}")
         self._require_started("get_batch")
         deadline = None if timeout is None else time.monotonic() + timeout
+        waited_for_due = False
         with self._cond:
             while True:
                 if self._fatal is not None:
                     raise self._fatal
-                if len(self._buffer) >= num_groups:
+                due = self._due_running_locked()
+                if len(self._buffer) >= num_groups and not due:
                     return self._take(num_groups)
+                if due and not waited_for_due:
+                    waited_for_due = True
+                    self._due_waits += 1
                 if self._stopped:
                     raise RolloutError("get_batch: the rollout controller was stopped")
                 if self._exhausted and not self._pending_work():
@@ -206,6 +226,7 @@ class RolloutController:
                     "failures": sum(self._failures.values()), "failures_by_type": dict(self._failures),
                     "running": st.running, "buffer": len(self._buffer), "consumed": self._consumed,
                     "requeued": len(self._requeue) + self._delayed, "capacity": st.capacity(self._version),
+                    "due_waits": self._due_waits,
                     "paused": self._paused, "exhausted": self._exhausted,
                     "staleness_hist": dict(sorted(self._lag_hist.items())),
                     "submitted_by_version": dict(sorted(self._submit_versions.items()))}
@@ -288,6 +309,7 @@ class RolloutController:
                     break
                 self.staleness.on_submit()
                 self._submit_versions[self._version] += 1
+                self._running_versions[self._version] += 1
                 out.append((*item, self._version))
         return out
 
@@ -312,7 +334,7 @@ class RolloutController:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one episode's failure must not stop the run
-            self._on_failure(seq, sample, exc)
+            self._on_failure(seq, sample, version, exc)
             return
         group = Group(trajectories, uid=sample.uid, submit_version=version)
         verdict = self._verdict(group)
@@ -323,13 +345,13 @@ class RolloutController:
                 f"version v (a server that missed a weight update must be updated before it serves again)"))
             return
         with self._cond:
+            self._finished_locked(version)
             self._consecutive_failures = 0
             if verdict == "accept" and self._too_stale_locked(group):
                 verdict = "stale"
             if verdict == "accept":
                 self.staleness.on_accept()
                 self._buffer.append((seq, group))
-                self._cond.notify_all()
             else:
                 self.staleness.on_reject()
                 self._rejected[verdict] += 1
@@ -357,8 +379,9 @@ class RolloutController:
                 self._fatal = error
             self._cond.notify_all()
 
-    def _on_failure(self, seq: int, sample: PromptSample, exc: Exception) -> None:
+    def _on_failure(self, seq: int, sample: PromptSample, version: int, exc: Exception) -> None:
         with self._cond:
+            self._finished_locked(version)
             self.staleness.on_reject()
             self._failures[type(exc).__name__] += 1
             self._consecutive_failures += 1
@@ -416,10 +439,24 @@ class RolloutController:
                 keep.append((seq, group))
         self._buffer = keep
 
+    def _finished_locked(self, version: int) -> None:
+        """An episode submitted at ``version`` ended (any outcome): a waiting batch may be ready."""
+        self._running_versions[version] -= 1
+        if self._running_versions[version] <= 0:
+            del self._running_versions[version]
+        self._cond.notify_all()
+
+    def _due_running_locked(self) -> int:
+        """Groups still generating that must be in the next batch (submitted at <= V - η)."""
+        oldest_ok = self._version - self.staleness.max_staleness
+        return sum(n for v, n in self._running_versions.items() if v <= oldest_ok)
+
     def _take(self, n: int) -> list[Group]:
+        """The ``n`` buffered groups submitted first (due groups are among them)."""
+        ordered = sorted(self._buffer, key=lambda item: (item[1].submit_version, item[0]))
+        self._buffer = collections.deque(ordered[n:])
         groups = []
-        for _ in range(n):
-            seq, group = self._buffer.popleft()
+        for seq, group in ordered[:n]:
             self._pending.pop(seq, None)
             self._lag_hist[self._version - group.min_version] += 1
             groups.append(group)
@@ -430,6 +467,10 @@ class RolloutController:
         st = self.staleness
         msg = (f"get_batch: {len(self._buffer)} of {num_groups} groups ready after {timeout} s "
                f"({st.running} prompts running, version {self._version})")
+        due = self._due_running_locked()
+        if due:
+            msg += (f"; {due} of them were submitted at version <= {self._version - st.max_staleness} and must "
+                    f"be trained in this batch (staleness bound {st.max_staleness})")
         if not st.running and st.capacity(self._version) == 0 and not self._paused:
             msg += (f"; the staleness rule allows no more prompts at version {self._version} "
                     f"({st.accepted} accepted of {st.limit(self._version)}): call set_version() after each "

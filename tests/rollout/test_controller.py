@@ -8,6 +8,7 @@ resume, and tell the controller the new version.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import time
@@ -156,6 +157,44 @@ def test_failed_episode_is_requeued(server, tokenizer, arith_jsonl) -> None:
         stats = ctl.stats()
     assert sorted(uids) == sorted(s.uid for s in ds.samples)
     assert stats["failures_by_type"] == {"ConnectionError": 1}
+
+
+class _SlowToolEnv(CalculatorEnv):
+    """Line 1's tool call takes 1.5 s: its first turn is generated long before its second."""
+
+    async def step(self, action: str) -> EnvStep:
+        if self.uid.endswith(":1"):
+            await asyncio.sleep(1.5)
+        return super().step(action)
+
+    def __init__(self, sample: PromptSample) -> None:
+        super().__init__(sample)
+        self.uid = sample.uid
+
+
+def test_long_episode_is_waited_for_not_dropped(server, tokenizer, arith_jsonl) -> None:
+    """A group whose episode spans many trainer steps is trained within η, never dropped.
+
+    The trainer steps every ~0.1 s while line 1's episode takes > 1.5 s, so by the old
+    rule (drop a group that finishes too stale) it would be dropped and regenerated over
+    and over, and training would lean towards short episodes."""
+    url, srv = server
+    eta, batch = 1, 2
+    ds = PromptDataset(arith_jsonl, shuffle=False, num_epochs=1)
+    wf = MultiTurnWorkflow(tokenizer, 2, {"max_new_tokens": 6}, _SlowToolEnv, max_turns=2)
+    trained: dict[str, int] = {}
+    with RolloutController([url], ds, wf, StalenessManager(batch, eta, 16)) as ctl:
+        for version in range(6):
+            for g in ctl.get_batch(batch, timeout=30):
+                assert version - g.min_version <= eta, (g.uid, version, g.min_version)
+                trained[g.uid] = version
+            time.sleep(0.05)
+            _weight_update(ctl, srv.model_path, version + 1)
+        stats = ctl.stats()
+    assert sorted(trained) == sorted(s.uid for s in ds.samples)  # all 12, line 1 included
+    assert stats["rejected_by_reason"].get("stale", 0) == 0, stats
+    assert stats["due_waits"] >= 1, stats  # the trainer waited for line 1 rather than drop it
+    assert trained[ds.samples[0].uid] <= eta  # submitted at version 0: trained by version η
 
 
 def test_dead_servers_surface_as_error(tokenizer, arith_jsonl) -> None:

@@ -91,6 +91,8 @@ def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
         "mean_response_len": sum(r["rollout/response_len"] for r in records) / len(records),
         "max_response_len": max(r["rollout/response_len_max"] for r in records),
         "interruptions": int(total("rollout/interruptions")),
+        "due_waits": int(last.get("rollout_ctl/due_waits", 0)),
+        "stale_dropped": int(last.get("rollout_ctl/rejected_stale", 0)),
         "submitted_groups": generated_groups,
         "rejected_groups": int(last.get("rollout_ctl/rejected", 0)),
         "staleness_hist": {str(k): v for k, v in sorted(Counter(
@@ -195,6 +197,8 @@ def _table(result: dict[str, Any], eta: int) -> str:
                        ("staleness histogram", lambda r: json.dumps(r["staleness_hist"])),
                        ("groups submitted / rejected", lambda r: f"{r['submitted_groups']} / {r['rejected_groups']}"),
                        ("interrupted requests", lambda r: str(r["interruptions"])),
+                       ("stale groups dropped / due waits",
+                        lambda r: f"{r['stale_dropped']} / {r['due_waits']}"),
                        ("held-out greedy start -> end", lambda r: f"{pct(r['accuracy_start']['greedy'])} -> "
                                                                  f"{pct(r['accuracy_end']['greedy'])}"),
                        ("held-out sampled start -> end", lambda r: f"{pct(r['accuracy_start']['sampled'])} -> "

@@ -384,8 +384,9 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
         while ctx.step < cfg.run.total_steps:
             stats = train_one_step(ctx)
             if logger is not None and ctx.step % cfg.run.log_every == 0:
-                stats.update({f"rollout_ctl/{k}": v for k, v in ctx.controller.stats().items()
-                              if isinstance(v, (int, float))})
+                ctl = ctx.controller.stats()
+                stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
+                stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
                 logger.log(ctx.step, stats)
             every = cfg.run.checkpoint_every
             saved = (every and ctx.step % every == 0) or ctx.step == cfg.run.total_steps

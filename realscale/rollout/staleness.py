@@ -12,9 +12,11 @@ counting, which is how dynamic sampling draws replacements. η = 0 is synchronou
 at version v exactly B groups can be accepted before the trainer moves to v + 1.
 
 The rule bounds how far *submissions* run ahead; a slow episode that started long ago can
-still finish late. The controller therefore also drops (and regenerates) a group whose
-oldest token lags more than η versions when it would be trained; :meth:`on_discard`
-takes such a group back out of ``accepted``.
+still finish late. The controller therefore trains groups oldest submission first and
+waits for a group that would otherwise age past η (see ``RolloutController``, "Batching"),
+so the bound holds for every trained token. Should a group still arrive too stale (a
+trainer that skips versions), it is dropped and regenerated; :meth:`on_discard` takes
+such a group back out of ``accepted``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Generation goes through the embedded generation engine (the same continuous-batching
 engine ``realscale serve`` runs), in process: no HTTP hop, same tokens. Prompts are laid
 out as the RL workflow lays them out (:func:`realscale.tasks.arith.prompt_ids`) and an
-answer is judged as the RL reward judges it (the problem's ``check``: the final number for
-arithmetic, the whole scratchpad for ``long_tail``).
+answer is judged as the RL reward judges it (:func:`realscale.tasks.arith.is_correct`).
 
 Greedy decoding (temperature 0) gives *the* accuracy; sampling with ``samples > 1``
 additionally reports how many prompts get a mix of right and wrong answers, which is what
@@ -20,7 +19,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from realscale.tasks.arith import Problem, prompt_ids
+from realscale.tasks.arith import Problem, is_correct, prompt_ids
 
 
 @dataclass
@@ -82,7 +81,7 @@ def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, tempe
     prompts = [prompt_ids(tok, p.prompt) for p in problems]
     outs = generate_completions(model_dir, prompts, samples=samples, temperature=temperature,
                                 max_new_tokens=max_new_tokens, seed=seed)
-    verdicts = [[p.check(text) for text in group] for p, group in zip(problems, outs)]
+    verdicts = [[is_correct(text, p.answer) for text in group] for p, group in zip(problems, outs)]
     flat = [v for group in verdicts for v in group]
     examples = [{"prompt": p.prompt, "answer": p.answer, "completions": group}
                 for p, group in zip(problems[:keep_examples], outs)]

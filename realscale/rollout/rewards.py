@@ -9,9 +9,8 @@ own daemon thread: a hung one neither starves a shared pool nor blocks interpret
 (a ThreadPoolExecutor joins its threads at exit).
 
 :func:`reward_fn_for` picks the checker a sample needs: the reasoning-gym task's own
-scorer for ``gym:`` samples, the whole-scratchpad check for ``task:long_tail`` rows,
-:class:`~realscale.reward.CodeReward` for samples with tests (when ``reward.kind`` is
-``code`` or the sample has no answer), else
+scorer for ``gym:`` samples, :class:`~realscale.reward.CodeReward` for samples with tests
+(when ``reward.kind`` is ``code`` or the sample has no answer), else
 :class:`~realscale.reward.MathReward` against ``sample.answer``. The pools behind them are
 built once per configuration and shared (:func:`close_reward_pools` stops them).
 """
@@ -159,8 +158,6 @@ def reward_fn_for(cfg: Any, sample: PromptSample) -> RewardFn:
     """The reward function for ``sample`` under ``cfg`` (a :class:`realscale.config.RewardConfig`)."""
     if "gym_task" in sample.metadata:
         return gym_reward
-    if sample.metadata.get("task") == "long_tail":
-        return long_tail_reward
     has_tests = sample.tests not in (None, "", [], {})
     if has_tests and (cfg.kind == "code" or sample.answer is None):
         pool = _pool("code", cfg)
@@ -179,14 +176,6 @@ def reward_fn_for(cfg: Any, sample: PromptSample) -> RewardFn:
         return await pool.score(completion, answer)
 
     return math
-
-
-def long_tail_reward(prompt: str, completion: str, sample: PromptSample) -> RewardResult:
-    """``task:long_tail`` rows: 1 for the whole scratchpad, else 0
-    (:meth:`realscale.tasks.long_tail.CountdownProblem.check` says why not the digit alone)."""
-    from realscale.tasks.long_tail import CountdownProblem
-
-    return RewardResult(float(CountdownProblem.from_metadata(sample.metadata).check(completion)), OK)
 
 
 def routed_reward(cfg: Any) -> RewardFn:

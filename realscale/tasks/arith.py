@@ -68,10 +68,6 @@ class Problem:
                 break
         return "(" + ",".join(cols) + ")" + self.answer
 
-    def check(self, completion: str) -> bool:
-        """The reward's verdict on ``completion`` (final number, exact; :func:`is_correct`)."""
-        return is_correct(completion, self.answer)
-
     @property
     def metadata(self) -> dict[str, Any]:
         return {"task": "arith", "a": self.a, "op": self.op, "b": self.b}

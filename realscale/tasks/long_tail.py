@@ -28,12 +28,17 @@ prompt) stayed at chance, and adding the counter to the running digit (a 10x10 t
 reached 11% held-out after 250 steps. The stride 3 is coprime to 10 (every digit is
 reached) and keeps the answer from being a copy of ``n``'s last digit.
 
-The verdict (:meth:`CountdownProblem.check`, used by the RL reward and by the held-out
-evaluation) asks for the whole scratchpad, not only its last digit. Why: the last digit
-alone can be guessed. A policy that stops after two items is right one time in ten on any
-problem, while a long scratchpad written out by this model is almost never right, so RL
-on the digit learnt to stop early: greedy accuracy fell from 28% to 4% in 48 steps at lr
-1e-4, and to 3% in an earlier 2e-4 run. With the scratchpad checked, a short guess scores 0.
+The final number of the completion is the answer, so the RL math reward (final number,
+exact) and :func:`realscale.tasks.arith.is_correct` score it unchanged.
+
+Known limitation: RL does not raise this task's accuracy. The last digit can be guessed
+(a policy that stops after two items is right one time in ten), and at lr 1e-4 RL learnt
+to stop early (greedy 28% -> 4% in 48 steps). Checking the whole scratchpad instead
+closes that, but with a warm start that is 66% right greedy and 30% sampled, RL still
+lowered held-out accuracy, synchronous RL at lr 2e-5 included (greedy 66% -> 40% in 48
+steps; 2026-11-21, not committed). Credit assignment over hundreds of tokens per answer
+is the likely cause. The task serves the throughput benchmark, where the response lengths
+are what matter; ``configs/tiny_cpu.yaml`` is the recipe that learns.
 
 Splits: for each step count ``n`` one start digit of the ten is held out, picked by a hash
 of ``n`` keyed with ``seed``. The training split is ``train_size`` draws from the law that
@@ -82,22 +87,9 @@ class CountdownProblem:
     def answer(self) -> str:
         return str((self.start + STRIDE * self.steps) % 10)
 
-    def check(self, completion: str) -> bool:
-        """Whether ``completion`` is this problem's whole scratchpad (surrounding
-        whitespace aside): the reward's and the evaluation's verdict."""
-        return completion.strip() == self.worked()
-
     @property
     def metadata(self) -> dict[str, Any]:
         return {"task": NAME, "start": self.start, "steps": self.steps}
-
-    @classmethod
-    def from_metadata(cls, metadata: dict[str, Any]) -> "CountdownProblem":
-        """The problem a dataset row's ``metadata`` describes (what :attr:`metadata` wrote)."""
-        try:
-            return cls(int(metadata["start"]), int(metadata["steps"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"long_tail row metadata needs integer 'start' and 'steps', got {metadata!r}") from exc
 
 
 @dataclass(frozen=True)

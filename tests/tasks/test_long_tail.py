@@ -19,35 +19,6 @@ def test_worked_example() -> None:
     assert is_correct(p.worked(), p.answer)  # the RL reward and the evaluator read the scratchpad's last number
 
 
-def test_check_wants_the_whole_scratchpad() -> None:
-    p = CountdownProblem(7, 4)
-    assert p.check("04:0 03:3 02:6 01:9") and p.check(" 04:0 03:3 02:6 01:9\n")
-    # the right last digit after a truncated scratchpad is a guess: refused
-    assert is_correct("04:0 01:9", p.answer) and not p.check("04:0 01:9")
-    assert not p.check("9") and not p.check("04:0 03:3 02:6 01:8") and not p.check("")
-    assert CountdownProblem.from_metadata(p.metadata) == p
-    with pytest.raises(ValueError, match="start"):
-        CountdownProblem.from_metadata({"task": "long_tail", "steps": 4})
-
-
-def test_rl_reward_routes_long_tail_rows_to_the_check() -> None:
-    import asyncio
-
-    from realscale.config import RewardConfig
-    from realscale.data.dataset import PromptSample
-    from realscale.rollout.rewards import call_reward, routed_reward
-
-    p = CountdownProblem(7, 4)
-    sample = PromptSample(prompt=p.prompt, answer=p.answer, metadata=p.metadata, uid="lt:0")
-    reward = routed_reward(RewardConfig())
-
-    def score(text: str) -> float:
-        return asyncio.run(call_reward(reward, p.prompt, text, sample, timeout=10)).value
-
-    assert score(p.worked()) == 1.0
-    assert score("04:0 01:9") == 0.0  # the math reward would have paid this guess
-
-
 def test_answers_match_the_scratchpad() -> None:
     for p in LongTailTask(min_steps=1, max_steps=30).all_problems():
         items = p.worked().split(" ")

@@ -180,6 +180,8 @@ class RolloutConfig:
     n_samples: int = knob(4, "Answers sampled per prompt (group size).")
     max_staleness: int = knob(2, "Staleness bound eta: a trained sample lags at most this many versions (0: synchronous).")
     max_concurrent: int = knob(32, "Most prompts in flight at once across all servers.")
+    max_ahead: int = knob(0, "Most groups ahead of the trainer, finished or in flight (0: as many as eta and "
+                             "max_concurrent allow): fresher samples when generation outpaces training.")
     workflow: str = knob("single_turn", "Rollout workflow: single_turn or multi_turn.")
     filter_all_equal: bool = knob(False, "Dynamic sampling: drop groups whose rewards are all equal.")
     max_turns: int = knob(4, "Multi-turn workflow: most model turns per episode.")
@@ -191,6 +193,10 @@ class RolloutConfig:
         _positive("rollout", "n_samples", self.n_samples)
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("rollout", "max_concurrent", self.max_concurrent)
+        _positive("rollout", "max_ahead", self.max_ahead, allow_zero=True)
+        if 0 < self.max_ahead < self.batch_size:
+            raise ConfigError(f"rollout.max_ahead: {self.max_ahead} is below rollout.batch_size ({self.batch_size}), "
+                              "so a batch could never fill; use 0 (no limit) or at least the batch size")
         _one_of("rollout", "workflow", self.workflow, ("single_turn", "multi_turn"))
         _positive("rollout", "max_turns", self.max_turns)
         _positive("rollout", "reward_timeout", self.reward_timeout)

@@ -82,6 +82,25 @@ def test_eta_zero_is_synchronous(server, tokenizer, arith_jsonl) -> None:
             _weight_update(ctl, srv.model_path, version + 1)
 
 
+def test_max_ahead_keeps_samples_fresh(server, tokenizer, arith_jsonl) -> None:
+    """Generation far faster than "training": without a limit every group would wait η
+    versions; with max_ahead = 2B at most 2B groups are ahead and lags stay <= 2."""
+    url, srv = server
+    eta, batch = 3, 2
+    ds = PromptDataset(arith_jsonl, shuffle=False)
+    with _controller(url, tokenizer, ds, eta, batch=batch, max_ahead=2 * batch) as ctl:
+        for version in range(6):
+            ctl.get_batch(batch, timeout=30)
+            time.sleep(0.3)  # "training": the server would refill the whole bound meanwhile
+            stats = ctl.stats()
+            assert stats["buffer"] + stats["running"] <= 2 * batch, stats
+            _weight_update(ctl, srv.model_path, version + 1)
+        hist = ctl.stats()["staleness_hist"]
+    assert max(hist) <= 2 and sum(hist.values()) == 12, hist
+    with pytest.raises(ValueError, match="batch size"):
+        _controller(url, tokenizer, ds, eta, batch=batch, max_ahead=1)
+
+
 def test_dynamic_sampling_drops_all_equal_groups(server, tokenizer, arith_jsonl) -> None:
     url, _ = server
 

@@ -162,7 +162,6 @@ def make_controller(cfg: Config, model_dir: str, server_urls: list[str], out_dir
     from realscale.data.dataset import from_config as dataset_from_config
     from realscale.rollout.controller import RolloutController
     from realscale.rollout.rewards import reward_fn_for
-    from realscale.rollout.staleness import StalenessManager
     from realscale.rollout.workflows import SingleTurnWorkflow, sampling_params_from_config
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -183,9 +182,8 @@ def make_controller(cfg: Config, model_dir: str, server_urls: list[str], out_dir
                          "multi_turn needs an environment factory (see realscale.rollout.workflows)")
     workflow = SingleTurnWorkflow(tokenizer, cfg.rollout.n_samples, sampling_params_from_config(cfg.generate),
                                   reward, reward_timeout=cfg.reward.timeout * 4)
-    staleness = StalenessManager(cfg.rollout.batch_size, cfg.rollout.max_staleness, cfg.rollout.max_concurrent)
-    return RolloutController(server_urls, dataset, workflow, staleness, filter_all_equal=cfg.rollout.filter_all_equal,
-                             client_kwargs={"request_timeout": cfg.generate.request_timeout})
+    # from_config: every rollout knob (max_ahead, max_consecutive_failures ...) reaches the controller
+    return RolloutController.from_config(cfg, server_urls, dataset, workflow)
 
 
 def _call(ctx: RankContext, fn: Any) -> Any:

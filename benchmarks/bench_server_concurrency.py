@@ -47,15 +47,14 @@ async def _tokens_per_s(url: str, prompts: list[list[int]], inflight: int, secon
         return tokens / (time.perf_counter() - start)
 
 
-def _prompts(model: str, cfg_path: str) -> list[list[int]]:
+def _prompts(model: str, data_cfg: object) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from realscale.config import load_config
     from realscale.rollout.workflows import prompt_ids
     from realscale.tasks.long_tail import LongTailTask
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    task = LongTailTask.from_config(load_config(cfg_path).data)
+    task = LongTailTask.from_config(data_cfg)
     return [prompt_ids(tokenizer, p.prompt) for p in task.split("train")]
 
 
@@ -77,7 +76,7 @@ def main() -> int:
     from realscale.launcher.local import start_servers, stop_servers
 
     cfg = load_config(args.recipe)
-    prompts = _prompts(args.model, args.recipe)
+    prompts = _prompts(args.model, cfg.data)
     servers = start_servers(args.model, 1, os.path.join(REPO, "runs", "bench_server_concurrency"), threads=1,
                             max_running=cfg.generate.max_running_requests, context_length=cfg.generate.context_length)
     rates: dict[int, float] = {}

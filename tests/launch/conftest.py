@@ -27,3 +27,16 @@ def slurm() -> None:
     reason = slurm_reason()
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_args():
+    """``tiny_run_args(total_steps, checkpoint_every, *extra)``: overrides for a short
+    ``realscale train`` of the tiny model on the arithmetic task (the launch tests' run)."""
+    def make(total_steps: int, checkpoint_every: int, *extra: str) -> list[str]:
+        return ["model.path=tiny-qwen2", "data.source=task:arith", "data.task_heldout=16",
+                f"run.total_steps={total_steps}", f"run.checkpoint_every={checkpoint_every}", "rollout.batch_size=2",
+                "rollout.n_samples=2", "rollout.max_staleness=1", "generate.max_new_tokens=4",
+                "train.max_tokens_per_micro_batch=512", "rollout.filter_all_equal=false", *extra]
+
+    return make

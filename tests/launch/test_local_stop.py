@@ -16,17 +16,12 @@ import pytest
 pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "data.task_heldout=16", "run.total_steps=30",
-        "run.checkpoint_every=100", "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1",
-        "generate.max_new_tokens=4", "train.max_tokens_per_micro_batch=512", "rollout.filter_all_equal=false",
-        "launch.backend=local"]
 
-
-def test_sigusr1_checkpoints_and_exits(tmp_path: Path) -> None:
+def test_sigusr1_checkpoints_and_exits(tmp_path: Path, tiny_run_args) -> None:
     run = tmp_path / "r"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r",
-                             *ARGS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             *tiny_run_args(30, 100, "launch.backend=local")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 400

@@ -16,21 +16,16 @@ import pytest
 pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "data.task_heldout=16", "run.total_steps=2",
-        "run.checkpoint_every=1", "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1",
-        "generate.max_new_tokens=4", "train.max_tokens_per_micro_batch=512", "rollout.filter_all_equal=false",
-        "parallel.dp=2"]
-
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH (it ships with torch)")
-def test_two_ranks_under_torchrun(tmp_path: Path) -> None:
+def test_two_ranks_under_torchrun(tmp_path: Path, tiny_run_args) -> None:
     from realscale.config import load_config
     from realscale.launcher import start_servers, stop_servers
     from realscale.launcher.spec import RunSpec, spec_path
     from realscale.models.tiny import resolve_model_path
 
     out = tmp_path / "run"
-    cfg = load_config(None, [*ARGS, f"run.output_dir={tmp_path}", "run.name=run"])
+    cfg = load_config(None, [*tiny_run_args(2, 1, "parallel.dp=2"), f"run.output_dir={tmp_path}", "run.name=run"])
     model = resolve_model_path(cfg.model.path)
     servers = start_servers(model, 1, str(out / "logs"))
     try:

@@ -242,7 +242,7 @@ class DataConfig:
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
-    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad, so use 1.0); the rest answer directly.")
+    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad); the rest answer directly (a bare number).")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
     task_min_steps: int = knob(2, "task:long_tail sources: fewest scratchpad steps of a problem.")
     task_max_steps: int = knob(64, "task:long_tail sources: most scratchpad steps of a problem (at most 99).")

@@ -31,14 +31,21 @@ reached) and keeps the answer from being a copy of ``n``'s last digit.
 The final number of the completion is the answer, so the RL math reward (final number,
 exact) and :func:`realscale.tasks.arith.is_correct` score it unchanged.
 
-Known limitation: RL does not raise this task's accuracy. The last digit can be guessed
-(a policy that stops after two items is right one time in ten), and at lr 1e-4 RL learnt
-to stop early (greedy 28% -> 4% in 48 steps). Checking the whole scratchpad instead
-closes that, but with a warm start that is 66% right greedy and 30% sampled, RL still
-lowered held-out accuracy, synchronous RL at lr 2e-5 included (greedy 66% -> 40% in 48
-steps; 2026-11-21, not committed). Credit assignment over hundreds of tokens per answer
-is the likely cause. The task serves the throughput benchmark, where the response lengths
-are what matter; ``configs/tiny_cpu.yaml`` is the recipe that learns.
+What RL learns here: with ``data.task_worked_fraction`` below 1 the warm start also sees
+bare answers ("7 4" -> "9"), as the arithmetic task's does. A tiny model cannot compute
+``(x + 3n) mod 10`` in one token step, so a bare answer is a guessed digit (right ~10% of
+the time) while a worked one is right ~97% of the time after 800 SFT steps of a 70/30 mix;
+the warm-started policy picks a style at random (~68% sampled). RL learns that working it
+out pays, and its answers grow into the long tail as it does (``configs/long_tail_cpu.yaml``).
+
+Why not scratchpads alone: then there is little for RL to raise, and what there is, it
+lowers. A policy that stops after two items guesses the last digit right one time in ten,
+and at lr 1e-4 RL learnt to stop early (greedy 28% -> 4% in 48 steps from a 150-step warm
+start). Checking the whole scratchpad closes that, yet from a warm start 66% right greedy
+and 30% sampled, RL still lowered held-out accuracy, synchronous RL at lr 2e-5 included
+(greedy 66% -> 40% in 48 steps; 2026-11-21, not committed). The likely cause is credit
+assignment: a wrong 300-token answer has one wrong digit, and a sequence-level advantage
+pushes down the ~299 right ones with it.
 
 Splits: for each step count ``n`` one start digit of the ten is held out, picked by a hash
 of ``n`` keyed with ``seed``. The training split is ``train_size`` draws from the law that

@@ -84,6 +84,11 @@ def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
         "trained_tokens": tokens,
         "trained_tokens_per_s": tokens / rl_seconds,
         "trained_trajectories": int(total("rollout/trajectories")),
+        # every finished answer's model tokens by the last step log, filtered-out and still
+        # buffered groups included: the servers' work rate, which trained tokens/s understates
+        # when the all-equal filter drops most groups
+        "generated_tokens": int(last.get("rollout_ctl/generated_tokens", 0)),
+        "generated_tokens_per_s": float(last.get("rollout_ctl/generated_tokens", 0)) / rl_seconds,
         "trained_groups": int(total("rollout/groups")),
         "wait_rollout_s": total("perf/wait_rollout_s"),
         "train_s": total("perf/train_s"),
@@ -196,6 +201,7 @@ def _table(result: dict[str, Any], eta: int) -> str:
                        ("trained tokens/s", lambda r: f"{r['trained_tokens_per_s']:.1f}"),
                        ("trained tokens/s after step 1", lambda r: f"{r['trained_tokens_per_s_after_step1']:.1f}"),
                        ("trained trajectories", lambda r: str(r["trained_trajectories"])),
+                       ("generated tokens (/s)", lambda r: f"{r['generated_tokens']} ({r['generated_tokens_per_s']:.1f})"),
                        ("wait for rollouts s", lambda r: f"{r['wait_rollout_s']:.1f}"),
                        ("train s", lambda r: f"{r['train_s']:.1f}"),
                        ("weight sync s", lambda r: f"{r['weight_sync_s']:.1f}"),

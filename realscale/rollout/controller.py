@@ -127,6 +127,9 @@ class RolloutController:
         self._buffer: collections.deque[tuple[int, Group]] = collections.deque()
         self._consumed = 0
         self._rejected: collections.Counter[str] = collections.Counter()
+        # Model tokens of every finished group, trained or filtered out: what the servers did
+        # (trained tokens alone hide the work the filters throw away).
+        self._generated_tokens = 0
         self._failures: collections.Counter[str] = collections.Counter()
         self._consecutive_failures = 0
         self._last_error: BaseException | None = None
@@ -239,7 +242,7 @@ class RolloutController:
                     "failures": sum(self._failures.values()), "failures_by_type": dict(self._failures),
                     "running": st.running, "buffer": len(self._buffer), "consumed": self._consumed,
                     "requeued": len(self._requeue) + self._delayed, "capacity": st.capacity(self._version),
-                    "due_waits": self._due_waits,
+                    "due_waits": self._due_waits, "generated_tokens": self._generated_tokens,
                     "paused": self._paused, "exhausted": self._exhausted,
                     "staleness_hist": dict(sorted(self._lag_hist.items())),
                     "submitted_by_version": dict(sorted(self._submit_versions.items()))}
@@ -363,6 +366,7 @@ class RolloutController:
         with self._cond:
             self._finished_locked(version)
             self._consecutive_failures = 0
+            self._generated_tokens += sum(sum(t.loss_mask) for t in trajectories)
             if verdict == "accept" and self._too_stale_locked(group):
                 verdict = "stale"
             if verdict == "accept":

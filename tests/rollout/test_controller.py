@@ -121,6 +121,9 @@ def test_dynamic_sampling_drops_all_equal_groups(server, tokenizer, arith_jsonl)
         assert len(set(g.rewards)) > 1
         assert int(g.uid.rsplit(":", 1)[1]) % 2 == 0
     assert stats["rejected_by_reason"].get("all_equal", 0) >= 1
+    # generated_tokens counts the dropped groups' model tokens too (every answer has >= 1: EOS)
+    trained = sum(sum(t.loss_mask) for g in groups for t in g)
+    assert stats["generated_tokens"] >= trained + 4 * stats["rejected_by_reason"]["all_equal"]
 
 
 def test_state_dict_resume_no_skip_no_repeat(server, tokenizer, arith_jsonl) -> None:

@@ -9,6 +9,19 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _leave_slurm_allocation() -> None:
+    """Tests start their runs on this machine. Inside a Slurm allocation (a batch script or
+    an salloc shell) ``launch.backend=auto`` would turn them into job steps instead, so the
+    session forgets the allocation; the Slurm tests name their backend, or submit their own
+    jobs, and do not need it."""
+    if "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" not in os.environ:
+        for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+            os.environ.pop(key, None)
+
+
+_leave_slurm_allocation()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
     config.addinivalue_line("markers", "slow: long-running; excluded from the default run (-m 'not slow')")

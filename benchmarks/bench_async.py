@@ -74,6 +74,7 @@ def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
         summary = json.load(fh)
     last = records[-1]
     generated_groups = int(last.get("rollout_ctl/submitted", 0))
+    generated_tokens = int(last.get("rollout_ctl/generated_tokens", 0))
     later = records[1:]  # without step 1: pipeline fill and one-off costs (reward pool start, first update)
     later_seconds = float(sum(r["perf/step_s"] for r in later))
     return {
@@ -87,8 +88,8 @@ def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
         # every finished answer's model tokens by the last step log, filtered-out and still
         # buffered groups included: the servers' work rate, which trained tokens/s understates
         # when the all-equal filter drops most groups
-        "generated_tokens": int(last.get("rollout_ctl/generated_tokens", 0)),
-        "generated_tokens_per_s": float(last.get("rollout_ctl/generated_tokens", 0)) / rl_seconds,
+        "generated_tokens": generated_tokens,
+        "generated_tokens_per_s": generated_tokens / rl_seconds,
         "trained_groups": int(total("rollout/groups")),
         "wait_rollout_s": total("perf/wait_rollout_s"),
         "train_s": total("perf/train_s"),

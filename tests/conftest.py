@@ -14,7 +14,9 @@ def _leave_slurm_allocation() -> None:
     an salloc shell) ``launch.backend=auto`` would turn them into job steps instead, so the
     session forgets the allocation; the Slurm tests name their backend, or submit their own
     jobs, and do not need it."""
-    if "SLURM_JOB_ID" in os.environ and "SLURM_STEP_ID" not in os.environ:
+    from realscale.launcher.slurm import in_allocation  # the rule launch.backend=auto applies
+
+    if in_allocation():
         for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             os.environ.pop(key, None)
 

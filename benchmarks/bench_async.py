@@ -119,6 +119,73 @@ def summarize_run(run_dir: str, steps: int) -> dict[str, Any]:
     }
 
 
+TASK_EVAL_BUDGET = 1200  # sampled answers, as many as the trainer's held-out evaluation (300 x 4)
+
+
+def task_accuracy(model_dir: str, cfg: Any, budget: int = TASK_EVAL_BUDGET) -> dict[str, float] | None:
+    """Accuracy of ``model_dir`` under the long-tail task's law, stratified by length.
+
+    ``LongTailTask.length_strata``: every length, its start digits in turn, weighted by P(n);
+    greedy (each distinct problem once) and sampled (one answer per stratum entry, at the
+    recipe's temperature). The run's own held-out numbers are draws from one problem per
+    length, so a single short problem moves them by up to 25 points (P(2)); this estimate
+    gives each problem at most a tenth of its length's weight. None for other tasks.
+    """
+    sys.path.insert(0, REPO)
+    from realscale.eval import generate_completions
+    from realscale.tasks.arith import is_correct, prompt_ids, task_from_config
+    from transformers import AutoTokenizer
+
+    if cfg.data.source != "task:long_tail":
+        return None
+    strata = task_from_config(cfg.data).length_strata(budget)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    distinct = sorted({p for _, _, problems in strata for p in problems}, key=lambda p: (p.steps, p.start))
+    greedy_out = generate_completions(model_dir, [prompt_ids(tok, p.prompt) for p in distinct],
+                                      max_new_tokens=cfg.generate.max_new_tokens)
+    greedy_right = {p: is_correct(o[0], p.answer) for p, o in zip(distinct, greedy_out)}
+    entries = [p for _, _, problems in strata for p in problems]
+    sampled_out = generate_completions(model_dir, [prompt_ids(tok, p.prompt) for p in entries],
+                                       temperature=cfg.generate.temperature,
+                                       max_new_tokens=cfg.generate.max_new_tokens, seed=cfg.run.seed)
+    sampled_right = iter(is_correct(o[0], p.answer) for p, o in zip(entries, sampled_out))
+    greedy = sampled = 0.0
+    for _, weight, problems in strata:
+        greedy += weight * sum(greedy_right[p] for p in problems) / len(problems)
+        sampled += weight * sum(next(sampled_right) for _ in problems) / len(problems)
+    return {"greedy": greedy, "sampled": sampled, "greedy_problems": len(distinct), "sampled_answers": len(entries)}
+
+
+def _add_task_accuracy(pair: dict[str, Any]) -> None:
+    """Evaluate the pair's two final models (``task_accuracy``) and add the gap, in place."""
+    sys.path.insert(0, REPO)
+    from realscale.config import load_config
+
+    cfg = load_config(os.path.join(REPO, pair["recipe"]), [*pair.get("overrides", []), f"run.seed={_seed_of(pair)}"])
+    for mode in ("async", "sync"):
+        run = _run(pair, mode)
+        run_dir = run.get("run_dir") or _run_dir_of(pair, mode)
+        final = os.path.join(run_dir, "final")
+        if not os.path.isfile(os.path.join(final, "model.safetensors")):
+            raise SystemExit(f"bench_async: no final model at {final} to evaluate")
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
+            if json.load(fh)["accuracy_end"] != run["accuracy_end"]:  # a later benchmark reused the directory
+                raise SystemExit(f"bench_async: {run_dir} no longer holds the run this result describes "
+                                 "(its summary.json's accuracy_end differs)")
+        run["task_accuracy_end"] = task_accuracy(final, cfg)
+    a, s = _run(pair, "async")["task_accuracy_end"], _run(pair, "sync")["task_accuracy_end"]
+    if a is not None:
+        pair["task_accuracy_gap_points"] = {k: 100 * (a[k] - s[k]) for k in ("greedy", "sampled")}
+
+
+def _run_dir_of(pair: dict[str, Any], mode: str) -> str:
+    """Run directory of a pair written before results recorded it: --work of its command."""
+    words = pair["command"].split()
+    work = words[words.index("--work") + 1] if "--work" in words else os.path.join("runs", "bench_async")
+    name = [k for k in pair["runs"] if k.startswith(mode)][0]
+    return os.path.join(REPO, work, name)
+
+
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default=DEFAULT_RECIPE, help="YAML recipe (default: configs/long_tail_cpu.yaml)")
@@ -130,7 +197,11 @@ def _parse_args() -> argparse.Namespace:
                     help="comma-separated run.seed values: one pair per seed (own warm start, in --work/seed<N>), "
                          "then the seeds' aggregate (default: one pair at the recipe's seed)")
     ap.add_argument("--combine", nargs="+", default=None, metavar="RESULT_JSON",
-                    help="run nothing: aggregate these single-pair result files into --out")
+                    help="run nothing: aggregate the pairs in these result files (single pairs or --seeds "
+                         "results) into --out")
+    ap.add_argument("--task-eval", action="store_true",
+                    help="with --combine: evaluate each pair's final models on the length-stratified task set "
+                         "(task_accuracy) where its result has no such figures")
     ap.add_argument("--out", default=RESULT, help="result JSON")
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to both runs, e.g. rollout.batch_size=8")
     args = ap.parse_args()
@@ -172,7 +243,8 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
         print(f"{name}: realscale train, rollout.max_staleness={run_eta}, {steps} steps", flush=True)
         seconds = _realscale(["train", *common, f"run.name={name}", f"rollout.max_staleness={run_eta}"],
                              os.path.join(work, f"{name}.log"))
-        runs[name] = {"max_staleness": run_eta, "wall_seconds": seconds, **summarize_run(run_dir, steps)}
+        runs[name] = {"max_staleness": run_eta, "run_dir": run_dir, "wall_seconds": seconds,
+                      **summarize_run(run_dir, steps)}
         load[name] = _load_avg()
         print(f"  {runs[name]['rl_seconds']:.1f} s RL phase, {runs[name]['trained_tokens_per_s']:.1f} trained tok/s",
               flush=True)
@@ -187,7 +259,7 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
     # Samples/s as well as tokens/s: the two runs train the same number of answers, but not
     # necessarily of the same mean length, and tokens/s alone would reward training longer ones.
     sample_ratio = s["rl_seconds"] / a["rl_seconds"]
-    return {
+    pair = {
         "benchmark": "async_vs_sync",
         "command": "python benchmarks/bench_async.py " + " ".join(sys.argv[1:]),
         "recipe": os.path.relpath(recipe, REPO),
@@ -206,8 +278,10 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
         "accuracy_within_2_points": all(abs(g) <= 2.0 for g in acc_gap.values()),
         "runs": runs,
         "machine": _machine(load),
-        "benchmark_seconds": time.perf_counter() - t_all,
     }
+    _add_task_accuracy(pair)
+    pair["benchmark_seconds"] = time.perf_counter() - t_all
+    return pair
 
 
 def _machine(load: dict[str, list[float]]) -> dict[str, Any]:
@@ -237,17 +311,15 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     runs = [(_run(p, "async"), _run(p, "sync")) for p in pairs]
     pooled = ((sum(a["trained_tokens"] for a, _ in runs) / sum(a["rl_seconds"] for a, _ in runs))
               / (sum(s["trained_tokens"] for _, s in runs) / sum(s["rl_seconds"] for _, s in runs)))
-    gaps: dict[str, dict[str, float]] = {}
-    for key in pairs[0]["accuracy_gap_points"]:
-        values = [p["accuracy_gap_points"][key] for p in pairs]
-        mean = sum(values) / n
-        sd = statistics.stdev(values) if n > 1 else float("nan")
-        gaps[key] = {"mean": mean, "sd": sd, "se": sd / math.sqrt(n), "min": min(values), "max": max(values)}
+    gaps = _gap_stats([p["accuracy_gap_points"] for p in pairs])
+    task = [p.get("task_accuracy_gap_points") for p in pairs]
+    task_gaps = _gap_stats(task) if all(task) else None
     return {
         "seeds": [_seed_of(p) for p in pairs],
         "per_seed": [{"seed": _seed_of(p), "throughput_ratio": p["throughput_ratio"],
                       "trained_samples_per_s_ratio": p["trained_samples_per_s_ratio"],
-                      "accuracy_gap_points": p["accuracy_gap_points"]} for p in pairs],
+                      "accuracy_gap_points": p["accuracy_gap_points"],
+                      "task_accuracy_gap_points": p.get("task_accuracy_gap_points")} for p in pairs],
         "throughput_ratio_geomean": geomean,
         "throughput_ratio_min": min(ratios),
         "throughput_ratio_max": max(ratios),
@@ -257,7 +329,22 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "accuracy_gap_points": gaps,
         "throughput_at_least_2x": geomean >= 2.0,
         "accuracy_within_2_points": all(abs(g["mean"]) <= 2.0 for g in gaps.values()),
+        "task_accuracy_gap_points": task_gaps,
+        "task_accuracy_within_2_points": (None if task_gaps is None
+                                          else all(abs(g["mean"]) <= 2.0 for g in task_gaps.values())),
     }
+
+
+def _gap_stats(per_pair: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Mean, sd, standard error and range of each accuracy gap over the pairs."""
+    n = len(per_pair)
+    stats: dict[str, dict[str, float]] = {}
+    for key in per_pair[0]:
+        values = [g[key] for g in per_pair]
+        mean = sum(values) / n
+        sd = statistics.stdev(values) if n > 1 else float("nan")
+        stats[key] = {"mean": mean, "sd": sd, "se": sd / math.sqrt(n), "min": min(values), "max": max(values)}
+    return stats
 
 
 def _seed_of(pair: dict[str, Any]) -> int:
@@ -295,9 +382,14 @@ def main() -> int:
         pairs = []
         for path in args.combine:
             with open(path, encoding="utf-8") as fh:
-                pairs.append(json.load(fh))
+                loaded = json.load(fh)
+            for pair in loaded.get("pairs", [loaded]):  # a --seeds result holds its pairs
+                if args.task_eval and "task_accuracy_gap_points" not in pair:
+                    print(f"task accuracy of seed {_seed_of(pair)}'s final models ({path})", flush=True)
+                    _add_task_accuracy(pair)
+                pairs.append(pair)
         result = {"benchmark": "async_vs_sync_seeds", "command": "python benchmarks/bench_async.py "
-                  + " ".join(sys.argv[1:]), "combined": args.combine, "aggregate": aggregate(pairs)}
+                  + " ".join(sys.argv[1:]), "combined": args.combine, "aggregate": aggregate(pairs), "pairs": pairs}
         _write(args.out, result)
         print(_seeds_table(result["aggregate"], args.eta))
         print(f"wrote {args.out}")
@@ -326,20 +418,27 @@ def main() -> int:
 
 
 def _seeds_table(agg: dict[str, Any], eta: int) -> str:
-    lines = [f"{'seed':>6} | {'tok/s ratio':>11} | {'samples/s ratio':>15} | " + " | ".join(
-        f"{k + ' gap':>12}" for k in agg["accuracy_gap_points"])]
+    task = agg.get("task_accuracy_gap_points")
+    heads = [f"held-out {k}" for k in agg["accuracy_gap_points"]] + [f"task {k}" for k in (task or {})]
+    lines = [f"{'seed':>6} | {'tok/s ratio':>11} | {'samples/s ratio':>15} | " + " | ".join(f"{h:>16}" for h in heads)]
     for row in agg["per_seed"]:
+        gaps = [*row["accuracy_gap_points"].values(), *(row.get("task_accuracy_gap_points") or {}).values()]
         lines.append(f"{str(row['seed']):>6} | {row['throughput_ratio']:>10.2f}x | "
-                     f"{row['trained_samples_per_s_ratio']:>14.2f}x | "
-                     + " | ".join(f"{g:>+12.1f}" for g in row["accuracy_gap_points"].values()))
-    gaps = ", ".join(f"{k} {g['mean']:+.1f} (sd {g['sd']:.1f}, se {g['se']:.1f})"
-                     for k, g in agg["accuracy_gap_points"].items())
+                     f"{row['trained_samples_per_s_ratio']:>14.2f}x | " + " | ".join(f"{g:>+16.1f}" for g in gaps))
     lines.append(f"eta={eta} vs 0 over {len(agg['per_seed'])} seeds: trained tokens/s ratio geometric mean "
                  f"{agg['throughput_ratio_geomean']:.2f}x (range {agg['throughput_ratio_min']:.2f}-"
                  f"{agg['throughput_ratio_max']:.2f}x, pooled {agg['throughput_ratio_pooled']:.2f}x; "
-                 f"{'meets' if agg['throughput_at_least_2x'] else 'misses'} 2x); mean accuracy gap (async - sync): "
-                 f"{gaps} ({'within' if agg['accuracy_within_2_points'] else 'outside'} 2 points)")
+                 f"{'meets' if agg['throughput_at_least_2x'] else 'misses'} 2x)")
+    lines.append(f"mean accuracy gap (async - sync), held-out: {_gap_line(agg['accuracy_gap_points'])} "
+                 f"({'within' if agg['accuracy_within_2_points'] else 'outside'} 2 points)")
+    if task:
+        lines.append(f"mean accuracy gap (async - sync), task (length-stratified): {_gap_line(task)} "
+                     f"({'within' if agg['task_accuracy_within_2_points'] else 'outside'} 2 points)")
     return "\n".join(lines)
+
+
+def _gap_line(stats: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{k} {g['mean']:+.1f} (sd {g['sd']:.1f}, se {g['se']:.1f})" for k, g in stats.items())
 
 
 def _table(result: dict[str, Any], eta: int) -> str:
@@ -364,7 +463,9 @@ def _table(result: dict[str, Any], eta: int) -> str:
                        ("held-out greedy start -> end", lambda r: f"{pct(r['accuracy_start']['greedy'])} -> "
                                                                  f"{pct(r['accuracy_end']['greedy'])}"),
                        ("held-out sampled start -> end", lambda r: f"{pct(r['accuracy_start']['sampled'])} -> "
-                                                                  f"{pct(r['accuracy_end']['sampled'])}")):
+                                                                  f"{pct(r['accuracy_end']['sampled'])}"),
+                       ("task greedy / sampled at end", lambda r: "-" if not r.get("task_accuracy_end") else
+                        f"{pct(r['task_accuracy_end']['greedy'])} / {pct(r['task_accuracy_end']['sampled'])}")):
         rows.append((label, fmt(a), fmt(s)))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
@@ -375,6 +476,10 @@ def _table(result: dict[str, Any], eta: int) -> str:
                  f"trained samples/s; accuracy gap (async - sync): greedy {gap['greedy']:+.1f} points, sampled "
                  f"{gap['sampled']:+.1f} points ({'within' if result['accuracy_within_2_points'] else 'outside'} "
                  "2 points)")
+    if result.get("task_accuracy_gap_points"):
+        t = result["task_accuracy_gap_points"]
+        lines.append(f"task accuracy gap (length-stratified): greedy {t['greedy']:+.1f}, sampled {t['sampled']:+.1f} "
+                     "points")
     return "\n".join(lines)
 
 

@@ -159,6 +159,25 @@ class LongTailTask:
             raise ValueError(f"long_tail task: split must be 'train' or 'heldout', got {name!r}")
         return list(self._splits[name])
 
+    def length_strata(self, budget: int) -> list[tuple[int, float, list[CountdownProblem]]]:
+        """An evaluation set stratified by length: ``(n, P(n), problems)`` for every step count.
+
+        Each step count gets ``max(1, round(budget * P(n)))`` problems, its ten start digits in
+        turn (from an offset that moves with ``n``, so short strata do not all favour digit 0),
+        train and held-out problems alike. ``sum P(n) * (share right in stratum n)`` then
+        estimates accuracy under the task's law with no draw noise in which lengths and problems
+        appear, and no single problem weighs more than a tenth of its length's probability. The
+        held-out split cannot give that: it holds one problem per length, so one problem is
+        P(2) = 25% of its score (``bench_async.py`` reports both).
+        """
+        if budget < 1:
+            raise ValueError(f"long_tail task: evaluation budget must be >= 1, got {budget}")
+        strata = []
+        for n, p in zip(range(self.min_steps, self.max_steps + 1), self.step_probs()):
+            count = max(1, round(budget * float(p)))
+            strata.append((n, float(p), [CountdownProblem((3 * n + i) % 10, n) for i in range(count)]))
+        return strata
+
     @classmethod
     def from_config(cls, data_cfg: Any) -> "LongTailTask":
         """The task a :class:`realscale.config.DataConfig` describes (``size``, ``task_*`` knobs)."""

@@ -38,6 +38,17 @@ def test_aggregate_judges_the_seeds_together() -> None:
     assert agg["throughput_at_least_2x"] and agg["accuracy_within_2_points"]
 
 
+def test_aggregate_judges_task_accuracy_when_every_pair_has_it() -> None:
+    pairs = [_pair(1, 300.0, 10.0, 100.0, 10.0, 0.0, -3.0), _pair(2, 300.0, 10.0, 100.0, 10.0, 0.0, -1.5)]
+    assert bench_async.aggregate(pairs)["task_accuracy_within_2_points"] is None
+    pairs[0]["task_accuracy_gap_points"] = {"greedy": -1.0, "sampled": -2.0}
+    assert bench_async.aggregate(pairs)["task_accuracy_gap_points"] is None  # one pair lacks it
+    pairs[1]["task_accuracy_gap_points"] = {"greedy": 0.0, "sampled": 1.0}
+    agg = bench_async.aggregate(pairs)
+    assert agg["task_accuracy_gap_points"]["sampled"]["mean"] == pytest.approx(-0.5)
+    assert agg["task_accuracy_within_2_points"] and not agg["accuracy_within_2_points"]
+
+
 def test_aggregate_fails_a_mean_gap_over_two_points() -> None:
     pairs = [_pair(1, 300.0, 10.0, 100.0, 10.0, 0.0, -3.0), _pair(2, 300.0, 10.0, 100.0, 10.0, 0.0, -1.5)]
     agg = bench_async.aggregate(pairs)

@@ -74,6 +74,27 @@ def test_bad_knobs_are_clear_errors() -> None:
         LongTailTask().split("test")
 
 
+def test_length_strata_cover_every_length_in_proportion() -> None:
+    task = LongTailTask(min_steps=2, max_steps=90)
+    strata = task.length_strata(1200)
+    assert [n for n, _, _ in strata] == list(range(2, 91))
+    assert sum(p for _, p, _ in strata) == pytest.approx(1.0)
+    for n, p, problems in strata:
+        assert len(problems) == max(1, round(1200 * p))
+        assert {q.steps for q in problems} == {n}
+        counts = np.bincount([q.start for q in problems], minlength=10)
+        assert counts.max() - counts.min() <= 1  # start digits in turn: none weighs more than its share
+    # a short stratum holds all ten problems, train and held-out alike, so no single problem is
+    # P(2) of the estimate as the held-out split's one problem per length is
+    assert len({q.start for q in strata[0][2]}) == 10
+    assert any(task.is_heldout(q) for q in strata[0][2]) and not all(task.is_heldout(q) for q in strata[0][2])
+    # the weighted share right is exact on a known answer pattern: right iff the start is even
+    right = sum(p * np.mean([q.start % 2 == 0 for q in problems]) for _, p, problems in strata)
+    assert 0.45 < right < 0.55
+    with pytest.raises(ValueError, match="budget"):
+        task.length_strata(0)
+
+
 def test_data_source_selects_the_task_and_its_knobs(tmp_path) -> None:
     from realscale.data.dataset import PromptDataset
 

@@ -172,16 +172,34 @@ def _add_task_accuracy(pair: dict[str, Any]) -> None:
             if json.load(fh)["accuracy_end"] != run["accuracy_end"]:  # a later benchmark reused the directory
                 raise SystemExit(f"bench_async: {run_dir} no longer holds the run this result describes "
                                  "(its summary.json's accuracy_end differs)")
-        run["task_accuracy_end"] = task_accuracy(final, cfg)
+        run["task_accuracy_end"] = _cached_task_accuracy(run_dir, final, cfg)
     a, s = _run(pair, "async")["task_accuracy_end"], _run(pair, "sync")["task_accuracy_end"]
     if a is not None:
         pair["task_accuracy_gap_points"] = {k: 100 * (a[k] - s[k]) for k in ("greedy", "sampled")}
 
 
+def _cached_task_accuracy(run_dir: str, final: str, cfg: Any) -> dict[str, float] | None:
+    """``task_accuracy`` of a run's final weights, kept in the run directory so that a second
+    ``--combine`` (or one that stopped half way) does not evaluate them again."""
+    path = os.path.join(run_dir, "task_accuracy.json")
+    key = {"budget": TASK_EVAL_BUDGET, "seed": cfg.run.seed, "temperature": cfg.generate.temperature}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            cached = json.load(fh)
+        if cached.get("key") == key:
+            return cached["accuracy"]
+    accuracy = task_accuracy(final, cfg)
+    _write(path, {"key": key, "accuracy": accuracy})
+    return accuracy
+
+
 def _run_dir_of(pair: dict[str, Any], mode: str) -> str:
-    """Run directory of a pair written before results recorded it: --work of its command."""
+    """Run directory of a pair written before results recorded it: from its command's --work
+    (and --seeds: one directory per seed)."""
     words = pair["command"].split()
     work = words[words.index("--work") + 1] if "--work" in words else os.path.join("runs", "bench_async")
+    if "--seeds" in words:
+        work = os.path.join(work, f"seed{_seed_of(pair)}")
     name = [k for k in pair["runs"] if k.startswith(mode)][0]
     return os.path.join(REPO, work, name)
 

@@ -15,8 +15,11 @@ of the last weight push, i.e. the sum of the steps' ``perf/step_s`` (the step lo
 them back to back; the recipe saves no checkpoint before the last step). Excluded: the
 SFT warm start, generation-server and trainer start-up, the held-out evaluations, the final
 checkpoint and HF export. Effective training throughput = trained tokens (response tokens
-with loss mask 1, summed over steps) / that time. Accuracy: held-out accuracy of each run's
-final weights (greedy and sampled, ``summary.json``), at equal trained samples.
+with loss mask 1, summed over steps) / that time. Accuracy, at equal trained samples: the
+held-out accuracy of each run's final weights (greedy and sampled, ``summary.json``) and, on
+the long-tail task, ``task_accuracy``: the same weights on every length of the task, stratified
+(the held-out split has one problem per length, so one short problem can move it by up to 25
+points; the stratified set caps any problem at a tenth of its length's weight).
 
 Writes ``benchmarks/results/async_vs_sync.json`` and prints a table. With ``--seeds`` it runs
 one pair per seed (each with its own warm start, under ``--work/seed<N>``) and judges the bar on

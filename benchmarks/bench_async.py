@@ -234,6 +234,8 @@ def _parse_args() -> argparse.Namespace:
         args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"bench_async: --seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if args.task_eval and not args.combine:
+        raise SystemExit("bench_async: --task-eval goes with --combine (pairs it runs are evaluated anyway)")
     if args.seeds and any(o.startswith("run.seed=") for o in args.overrides):
         raise SystemExit("bench_async: give the seeds either as --seeds or as a run.seed= override, not both")
     return args

@@ -137,11 +137,13 @@ def task_accuracy(model_dir: str, cfg: Any, budget: int = TASK_EVAL_BUDGET) -> d
     sys.path.insert(0, REPO)
     from realscale.eval import generate_completions
     from realscale.tasks.arith import is_correct, prompt_ids, task_from_config
+    from realscale.tasks.long_tail import LongTailTask
     from transformers import AutoTokenizer
 
-    if cfg.data.source != "task:long_tail":
+    task = task_from_config(cfg.data)  # the rule that picks the task from data.source
+    if not isinstance(task, LongTailTask):
         return None
-    strata = task_from_config(cfg.data).length_strata(budget)
+    strata = task.length_strata(budget)
     tok = AutoTokenizer.from_pretrained(model_dir)
     distinct = sorted({p for _, _, problems in strata for p in problems}, key=lambda p: (p.steps, p.start))
     greedy_out = generate_completions(model_dir, [prompt_ids(tok, p.prompt) for p in distinct],
@@ -203,8 +205,7 @@ def _run_dir_of(pair: dict[str, Any], mode: str) -> str:
     work = words[words.index("--work") + 1] if "--work" in words else os.path.join("runs", "bench_async")
     if "--seeds" in words:
         work = os.path.join(work, f"seed{_seed_of(pair)}")
-    name = [k for k in pair["runs"] if k.startswith(mode)][0]
-    return os.path.join(REPO, work, name)
+    return os.path.join(REPO, work, _run_name(pair, mode))
 
 
 def _parse_args() -> argparse.Namespace:
@@ -284,7 +285,7 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
     sample_ratio = s["rl_seconds"] / a["rl_seconds"]
     pair = {
         "benchmark": "async_vs_sync",
-        "command": "python benchmarks/bench_async.py " + " ".join(sys.argv[1:]),
+        "command": _command(),
         "recipe": os.path.relpath(recipe, REPO),
         "overrides": overrides,
         "seed": cfg.run.seed,
@@ -328,9 +329,8 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     etas = {p["eta"] for p in pairs if "eta" in p}
     if len(etas) > 1:
         raise ValueError(f"aggregate: pairs ran at different eta: {sorted(etas)}")
-    n = len(pairs)
     ratios = [p["throughput_ratio"] for p in pairs]
-    geomean = math.exp(sum(math.log(r) for r in ratios) / n)
+    geomean = _geomean(ratios)
     runs = [(_run(p, "async"), _run(p, "sync")) for p in pairs]
     pooled = ((sum(a["trained_tokens"] for a, _ in runs) / sum(a["rl_seconds"] for a, _ in runs))
               / (sum(s["trained_tokens"] for _, s in runs) / sum(s["rl_seconds"] for _, s in runs)))
@@ -347,8 +347,7 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "throughput_ratio_min": min(ratios),
         "throughput_ratio_max": max(ratios),
         "throughput_ratio_pooled": pooled,
-        "trained_samples_per_s_ratio_geomean": math.exp(
-            sum(math.log(p["trained_samples_per_s_ratio"]) for p in pairs) / n),
+        "trained_samples_per_s_ratio_geomean": _geomean([p["trained_samples_per_s_ratio"] for p in pairs]),
         "accuracy_gap_points": gaps,
         "throughput_at_least_2x": geomean >= 2.0,
         "accuracy_within_2_points": all(abs(g["mean"]) <= 2.0 for g in gaps.values()),
@@ -356,6 +355,10 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "task_accuracy_within_2_points": (None if task_gaps is None
                                           else all(abs(g["mean"]) <= 2.0 for g in task_gaps.values())),
     }
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _gap_stats(per_pair: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -383,12 +386,22 @@ def _seed_of(pair: dict[str, Any]) -> int:
     return load_config(os.path.join(REPO, pair["recipe"]), pair.get("overrides", [])).run.seed
 
 
-def _run(pair: dict[str, Any], mode: str) -> dict[str, Any]:
-    """The pair's async or sync run record."""
+def _run_name(pair: dict[str, Any], mode: str) -> str:
+    """The key of the pair's ``mode`` ("async" or "sync") run, e.g. ``async_eta4``."""
     names = [k for k in pair["runs"] if k.startswith(mode)]
     if len(names) != 1:
         raise ValueError(f"aggregate: pair result has no single {mode} run: {sorted(pair['runs'])}")
-    return pair["runs"][names[0]]
+    return names[0]
+
+
+def _run(pair: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The pair's async or sync run record."""
+    return pair["runs"][_run_name(pair, mode)]
+
+
+def _command() -> str:
+    """This invocation, as the result files record it."""
+    return "python benchmarks/bench_async.py " + " ".join(sys.argv[1:])
 
 
 def _write(path: str, result: dict[str, Any]) -> None:
@@ -411,8 +424,8 @@ def main() -> int:
                     print(f"task accuracy of seed {_seed_of(pair)}'s final models ({path})", flush=True)
                     _add_task_accuracy(pair)
                 pairs.append(pair)
-        result = {"benchmark": "async_vs_sync_seeds", "command": "python benchmarks/bench_async.py "
-                  + " ".join(sys.argv[1:]), "combined": args.combine, "aggregate": aggregate(pairs), "pairs": pairs}
+        result = {"benchmark": "async_vs_sync_seeds", "command": _command(), "combined": args.combine,
+                  "aggregate": aggregate(pairs), "pairs": pairs}
         _write(args.out, result)
         print(_seeds_table(result["aggregate"], args.eta))
         print(f"wrote {args.out}")
@@ -432,10 +445,11 @@ def main() -> int:
         print(_table(pair, args.eta), flush=True)
         pairs.append(pair)
         # after every seed, so a crash or Ctrl-C later keeps the pairs already run
-        _write(args.out, {"benchmark": "async_vs_sync_seeds", "command": "python benchmarks/bench_async.py "
-                          + " ".join(sys.argv[1:]), "aggregate": aggregate(pairs), "pairs": pairs,
-                          "complete": len(pairs) == len(args.seeds), "benchmark_seconds": time.perf_counter() - t_all})
-    print(_seeds_table(aggregate(pairs), args.eta))
+        agg = aggregate(pairs)
+        _write(args.out, {"benchmark": "async_vs_sync_seeds", "command": _command(), "aggregate": agg,
+                          "pairs": pairs, "complete": len(pairs) == len(args.seeds),
+                          "benchmark_seconds": time.perf_counter() - t_all})
+    print(_seeds_table(agg, args.eta))
     print(f"wrote {args.out}")
     return 0
 

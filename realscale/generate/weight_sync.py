@@ -1,16 +1,24 @@
-"""Weight transport from trainer to generation servers over torch.distributed.
+"""Weight transport from trainer to generation servers over torch.distributed, as SGLang does it.
 
-The protocol is SGLang's: the trainer is rank 0 of a *separate* process group ("weight
-update group") that every server joins at ``rank_offset + local_rank`` after a POST to
-``/init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``,
-``world_size``, ``group_name``, ``backend``). For each bucket of HF-named full tensors the
-trainer POSTs ``/update_weights_from_distributed`` with ``names``/``dtypes``/``shapes``
-and broadcasts the tensors from rank 0, one ``broadcast`` per tensor in ``names`` order
-(what SGLang's receiver expects). gloo on CPU, NCCL on GPU.
+The protocol is the pinned SGLang's (``sglang_reference.PINNED``; the contract tests run
+SGLang's own receiver code against this sender). The trainer is rank 0 of a *separate*
+process group, the "weight update group"; a server with ``tp`` ranks joins it after a
+POST to ``/init_weights_update_group`` (``master_address``, ``master_port``,
+``rank_offset``, ``world_size``, ``group_name``, ``backend``): its tensor-parallel rank
+``r`` joins as ``rank_offset + r``, so the world is 1 sender + every rank of every
+server. An update is a session: ``/begin_weight_update``, then per bucket of HF-named
+full tensors a POST to ``/update_weights_from_distributed`` (``names``/``dtypes``/
+``shapes``) while rank 0 broadcasts the tensors, one ``broadcast`` per name in order
+(every server rank receives every tensor whole and loads its own shard of it), then
+``/end_weight_update``. gloo on CPU, NCCL on GPU.
 
-The group is built directly from a ``TCPStore`` (``ProcessGroupGloo`` /
-``ProcessGroupNCCL``), never through ``init_process_group``: the trainer already has a
-default group (its Megatron world) and the server may have one too.
+The group is built the way SGLang's ``init_custom_process_group`` builds it, so both sides
+meet at the same store keys: a TCP rendezvous (``tcp://addr:port``; rank 0 hosts the
+TCPStore), a ``PrefixStore(group_name)`` over it, and torch's
+``_new_process_group_helper`` (which adds ``{group_name}/`` and ``{device}/`` prefixes of
+its own), never ``init_process_group``: the trainer already has a default group (its
+Megatron world) and so has every SGLang server. The one departure: SGLang waits for the
+rendezvous for torch's default 30 minutes; here the caller bounds it (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -39,21 +47,37 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def _tcp_url(host: str, port: int) -> str:
+    """``tcp://host:port`` (an IPv6 host in brackets), as SGLang's ``NetworkAddress.to_tcp``."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
               backend: str, timeout_s: float = 120.0) -> Any:
-    """Join (rank 0: host) a process group that leaves any default group alone.
+    """Join (rank 0: host) the weight-update group exactly as SGLang's receiver creates it.
 
-    Blocks until all ``world_size`` ranks have joined.
+    Blocks until all ``world_size`` ranks have joined. ``group_name`` must be unused in
+    this process (torch keeps one registry of group names); :func:`destroy_group` frees it.
     """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: {backend!r} is not one of 'gloo', 'nccl'")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                                       timeout=timeout)
-    store = torch.distributed.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":  # GPU only; not run on the CPU test machine
-        return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
-    raise ValueError(f"backend: {backend!r} is not one of 'gloo', 'nccl'")
+    store, rank, world_size = next(rendezvous(_tcp_url(master_address, master_port), rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         backend_options=None, timeout=timeout, device_id=None)
+    # collectives address the group by global rank: make global rank i group rank i
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_group(group: Any) -> None:
+    """Release a group from :func:`new_group` and its name (as SGLang's destroy does)."""
+    torch.distributed.destroy_process_group(group)
 
 
 def bucket_meta(bucket: Bucket) -> dict[str, list[Any]]:
@@ -102,11 +126,13 @@ class WeightSender:
         (after a server left: the next :meth:`connect` waits for the remaining ones)."""
         from realscale.parallel.spawn import free_port
 
-        self.group = None
+        self.close()
         self.world_size = world_size
         self.master_port = free_port(self.master_address)
 
     def close(self) -> None:
+        if self.group is not None:
+            destroy_group(self.group)
         self.group = None
 
 
@@ -124,8 +150,15 @@ class WeightReceiver:
                                              timeout_s), device)
 
     def destroy_group(self, group_name: str) -> None:
-        if self.groups.pop(group_name, None) is None:
+        entry = self.groups.pop(group_name, None)
+        if entry is None:
             raise ValueError(f"no weight update group named {group_name!r}")
+        destroy_group(entry[0])
+
+    def close(self) -> None:
+        """Destroy every group (a server shutting down frees the group names)."""
+        for name in list(self.groups):
+            self.destroy_group(name)
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 group_name: str) -> Bucket:

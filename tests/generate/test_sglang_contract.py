@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import requests
+from http_record import record_requests
 
 from realscale.generate import protocol as P
 from realscale.generate import sglang_reference as ref
@@ -445,24 +446,8 @@ def test_client_bodies_fit_sglang(tmp_path) -> None:
 
     classes = {"/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
                "/update_weights_from_disk": "UpdateWeightFromDiskReqInput"}
-    seen: list[tuple[str, str, Any]] = []
     server = EmbeddedServer("tiny-qwen2", max_running=4, context_length=128)
-    make_app = server.app
-
-    def recording_app():
-        from aiohttp import web
-
-        @web.middleware
-        async def record(request, handler):
-            raw = await request.read()
-            seen.append((request.method, request.path, json.loads(raw) if raw.strip() else None))
-            return await handler(request)
-
-        app = make_app()
-        app.middlewares.append(record)
-        return app
-
-    server.app = recording_app
+    seen = record_requests(server)
     url, stop = start_in_thread(server)
     try:
         async def run() -> None:

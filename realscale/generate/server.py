@@ -214,10 +214,11 @@ class EmbeddedServer:
         await resp.prepare(request)
         sent = [0] * len(reqs)
         pending = set(range(len(reqs)))
+        done = [asyncio.wrap_future(r.future) for r in reqs]
         try:
             while pending:
-                await asyncio.wait([asyncio.wrap_future(reqs[i].future) for i in pending], timeout=0.02,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                # new tokens are polled (the engine appends them on its thread); a finish wakes at once
+                await asyncio.wait([done[i] for i in pending], timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
                 for i in sorted(pending):
                     r, k = reqs[i], len(reqs[i].output_ids)
                     if r.future.done():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -67,6 +68,14 @@ def _strings(node: ast.AST) -> set[str]:
 
 def _post(url: str, path: str, body: Any = None) -> requests.Response:
     return requests.post(url + path, json=body, timeout=60)
+
+
+def _wait_for(url: str, counter: str, timeout: float = 30.0) -> None:
+    """Until /get_server_info's ``counter`` (num_running_reqs, num_waiting_reqs) is >= 1."""
+    deadline = time.monotonic() + timeout
+    while requests.get(url + "/get_server_info", timeout=10).json()[counter] < 1:
+        assert time.monotonic() < deadline, f"{counter} stayed 0 for {timeout:.0f} s"
+        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------- the pin
@@ -256,21 +265,13 @@ def test_abort_reasons_are_sglangs(tiny_server) -> None:
     handler = ref.function(_path(TOKENIZER), "_handle_abort_req", "TokenizerManager")
     waiting_keys = ref.dict_keys(handler, "finish_reason")
     assert P.waiting_abort()["message"] in _strings(handler)
-
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = pool.submit(_post, url, "/generate", {"input_ids": [1], "rid": "run-1", "sampling_params": {
             "max_new_tokens": 250, "ignore_eos": True}})
-        deadline = time.monotonic() + 30
-        while requests.get(url + "/get_server_info", timeout=10).json()["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _wait_for(url, "num_running_reqs")
         assert _post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
         waiting = pool.submit(_post, url, "/generate", {"input_ids": [2], "rid": "wait-1"})
-        while requests.get(url + "/get_server_info", timeout=10).json()["num_waiting_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _wait_for(url, "num_waiting_reqs")
         for rid in ("run-1", "wait-1"):
             assert _post(url, "/abort_request", {"rid": rid}).status_code == 200
         assert _post(url, "/continue_generation", {}).status_code == 200
@@ -335,15 +336,10 @@ def test_control_replies_are_sglangs(tiny_server, tmp_path) -> None:
     assert version == {"success": True, "message": "Weight version updated to 0", "new_version": "0"}
     # flush refused while requests hold KV fails an update, with SGLang's message
     flush_texts = texts["flush_cache_after_weight_update"]
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         job = pool.submit(_post, url, "/generate", {"input_ids": [3], "sampling_params": {
             "max_new_tokens": 200, "ignore_eos": True}})
-        deadline = time.monotonic() + 30
-        while requests.get(url + "/get_server_info", timeout=10).json()["num_running_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _wait_for(url, "num_running_reqs")
         assert _post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
         kept = _post(url, "/update_weights_from_disk", {"model_path": server.model_path})
         assert kept.status_code == 400 and kept.json()["message"] in flush_texts

@@ -103,6 +103,7 @@ VERSION_FIELDS = {"new_version", "abort_all_requests"} | _BASE
 DEFAULT_GROUP = "weight_update_group"
 SELECTORS = ("target", "draft", "all")
 
+
 def is_unset(value: Any) -> bool:
     """null, false, 0, "", [] and {} -- and a batch list of those."""
     if isinstance(value, list) and value:

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from realscale.generate import protocol as P
 from realscale.generate.engine import Engine, Request, running_abort
-from realscale.generate.weight_sync import WeightReceiver
+from realscale.generate.weight_sync import FLATTENED, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -375,13 +375,16 @@ class EmbeddedServer:
         group = P.optional(body, "group_name", (str,), what, P.DEFAULT_GROUP)
         version = P.optional(body, "weight_version", (str, int), what)
         abort_all = P.optional(body, "abort_all_requests", (bool,), what, False)
+        load_format = P.optional(body, "load_format", (str,), what)
+        if load_format not in (None, FLATTENED):
+            raise P.ProtocolError(f"{what}.load_format: {load_format!r} is not supported (null or {FLATTENED!r})")
         if abort_all:
             await self._engine_call(lambda: self.engine.abort(None))
         if self.weight_session is None:
             return _failure("update_weights_from_distributed must run between begin_weight_update() and "
                             "end_weight_update()")
         try:
-            named = await self._blocking(self.receiver.receive, names, dtypes, shapes, group)
+            named = await self._blocking(self.receiver.receive, names, dtypes, shapes, group, load_format)
             await self._load(named, None if version is None else str(version), False)
         except (ValueError, KeyError, RuntimeError) as exc:
             return _failure(f"Failed to update parameter online: {exc}.")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import __future__
 import ast
+import functools
 import importlib.util
 import os
 import sys
@@ -46,6 +47,7 @@ FILES = (
     "sglang/srt/managers/tokenizer_manager.py",
     "sglang/srt/managers/schedule_batch.py",
     "sglang/srt/utils/weight_versions.py",
+    "sglang/srt/weight_sync/tensor_bucket.py",
 )
 PREFIXES = ("sglang/srt/arg_groups/fields/",)  # server options, one dataclass field each
 
@@ -74,11 +76,19 @@ def find_source() -> str | None:
 def missing_reason() -> str:
     """Why :func:`find_source` found nothing (a test's skip reason)."""
     have = fetched_version()
-    what = f"the cache holds SGLang {have}, not the pinned {PINNED}" if have else "SGLang source not fetched"
+    if have is None:
+        what = "SGLang source not fetched"
+    elif have != PINNED:
+        what = f"the cache holds SGLang {have}, not the pinned {PINNED}"
+    else:
+        what = f"the cached SGLang {PINNED} lacks files this version of realscale reads"
     return f"{what}: run 'python scripts/fetch_sglang_source.py' (needs PyPI access)"
 
 
+@functools.lru_cache(maxsize=64)
 def parse(path: str) -> ast.Module:
+    """The AST of a source file (cached: tests read the same large files many times; do not
+    modify the tree)."""
     with open(path, encoding="utf-8") as fh:
         return ast.parse(fh.read(), filename=path)
 
@@ -256,18 +266,24 @@ def fetch(dest: str | None = None) -> str:
     import zipfile
 
     dest = dest or source_dir()
+    staging = f"{dest}.partial-{os.getpid()}"  # unpack beside, then swap: readers never see half a tree
+    shutil.rmtree(staging, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = _download(f"sglang=={PINNED}", tmp)
-        shutil.rmtree(dest, ignore_errors=True)
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
             missing = [f for f in FILES if f not in names]
             if missing:
                 raise RuntimeError(f"SGLang {PINNED}'s wheel lacks {', '.join(missing)}")
-            zf.extractall(dest, members=[n for n in names
-                                         if n in FILES or (n.startswith(PREFIXES) and n.endswith(".py"))])
+            zf.extractall(staging, members=[n for n in names
+                                            if n in FILES or (n.startswith(PREFIXES) and n.endswith(".py"))])
         with zipfile.ZipFile(_download(f"msgspec=={MSGSPEC}", tmp)) as zf:
-            zf.extractall(os.path.join(dest, "_deps"))
-    with open(os.path.join(dest, "VERSION"), "w", encoding="utf-8") as fh:
+            zf.extractall(os.path.join(staging, "_deps"))
+    with open(os.path.join(staging, "VERSION"), "w", encoding="utf-8") as fh:
         fh.write(PINNED + "\n")
+    old = f"{dest}.old-{os.getpid()}"
+    if os.path.exists(dest):
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    shutil.rmtree(old, ignore_errors=True)
     return dest

@@ -24,6 +24,7 @@ rendezvous for torch's default 30 minutes; here the caller bounds it (``timeout_
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any, Iterable
 
 import torch
@@ -80,6 +81,21 @@ def destroy_group(group: Any) -> None:
     torch.distributed.destroy_process_group(group)
 
 
+FLATTENED = "flattened_bucket"  # SGLang's load_format: a bucket's tensors as one byte buffer
+
+
+def flat_offsets(dtypes: list[str], shapes: list[list[int]]) -> list[int]:
+    """Byte offsets of a flattened bucket's tensors, and its size last. Each tensor starts
+    at a multiple of its element size, as SGLang's receiver requires (else ValueError)."""
+    offsets = [0]
+    for dt, shape in zip(dtypes, shapes):
+        size = parse_dtype(dt).itemsize
+        if offsets[-1] % size:
+            raise ValueError(f"flattened bucket: a {dt} tensor at byte offset {offsets[-1]} is not aligned")
+        offsets.append(offsets[-1] + math.prod(shape) * size)
+    return offsets
+
+
 def bucket_meta(bucket: Bucket) -> dict[str, list[Any]]:
     """The ``names``/``dtypes``/``shapes`` fields of ``/update_weights_from_distributed``."""
     return {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
@@ -110,16 +126,22 @@ class WeightSender:
         self.group = new_group(self.master_address, self.master_port, 0, self.world_size, self.group_name,
                                self.backend, timeout_s)
 
-    def broadcast_bucket(self, bucket: Bucket) -> int:
-        """Send every tensor of ``bucket`` (in order); returns the bytes sent."""
+    def broadcast_bucket(self, bucket: Bucket, load_format: str | None = None) -> int:
+        """Send every tensor of ``bucket`` (in order), or with ``load_format =
+        "flattened_bucket"`` all of them as one byte buffer; returns the bytes sent."""
         if self.group is None:
             raise RuntimeError("WeightSender.connect() was not called")
-        sent = 0
-        for _, tensor in bucket:
-            t = tensor.detach().to(self.device).contiguous()
+        if load_format == FLATTENED:
+            flat_offsets([dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
+            tensors = [torch.cat([t.detach().to(self.device).contiguous().flatten().view(torch.uint8)
+                                  for _, t in bucket])]
+        elif load_format is None:
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        else:
+            raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED!r}")
+        for t in tensors:
             self.group.broadcast(t, 0).wait()
-            sent += t.numel() * t.element_size()
-        return sent
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def reopen(self, world_size: int) -> None:
         """Drop the group and host a new one of ``world_size`` ranks on a fresh free port
@@ -161,11 +183,18 @@ class WeightReceiver:
             self.destroy_group(name)
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                group_name: str) -> Bucket:
-        """Receive one bucket broadcast from rank 0, in ``names`` order."""
+                group_name: str, load_format: str | None = None) -> Bucket:
+        """Receive one bucket broadcast from rank 0, in ``names`` order (one broadcast per
+        tensor, or one byte buffer with ``load_format = "flattened_bucket"``)."""
         if group_name not in self.groups:
             raise ValueError(f"no weight update group named {group_name!r}; call /init_weights_update_group first")
         group, device = self.groups[group_name]
+        if load_format == FLATTENED:
+            offsets = flat_offsets(dtypes, shapes)
+            flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+            group.broadcast(flat, 0).wait()
+            return [(name, flat[start:end].view(parse_dtype(dt)).reshape(shape))
+                    for name, dt, shape, start, end in zip(names, dtypes, shapes, offsets, offsets[1:])]
         out: Bucket = []
         for name, dt, shape in zip(names, dtypes, shapes):
             t = torch.empty(shape, dtype=parse_dtype(dt), device=device)

@@ -4,7 +4,8 @@
 (``sglang_reference.load_definitions``), the class a SGLang server's every TP rank uses to
 join the weight-update group and receive broadcasts
 (``model_runner_components/weight_updater.py: WeightUpdater``) together with what it calls:
-``utils/common.py: init_custom_process_group`` and ``utils/network.py: NetworkAddress``.
+``utils/common.py: init_custom_process_group``, ``utils/network.py: NetworkAddress`` and
+``weight_sync/tensor_bucket.py: FlattenedTensorBucket``.
 Nothing is stubbed on the path under test; the constructor's model hooks (model config,
 loaders, CUDA-graph recapture) are given ``None``/no-ops because joining and receiving do
 not touch them. SGLang's package itself cannot be imported here (CUDA-only imports).
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from realscale.generate import sglang_reference as ref
-from realscale.generate.weight_sync import WeightReceiver, WeightSender, bucket_meta
+from realscale.generate.weight_sync import FLATTENED, WeightReceiver, WeightSender, bucket_meta
 
 MODEL_RUNNER_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
 
@@ -33,8 +34,11 @@ def sglang_weight_updater(tp_rank: int) -> Any:
     """SGLang's ``WeightUpdater`` for TP rank ``tp_rank`` of a CPU server."""
     net = ref.load_definitions("sglang/srt/utils/network.py", ["logger", "_is_ipv6", "_wrap", "NetworkAddress"])
     common = ref.load_definitions("sglang/srt/utils/common.py", ["torch_release", "init_custom_process_group"])
+    bucket = ref.load_definitions("sglang/srt/weight_sync/tensor_bucket.py",
+                                  ["FlattenedTensorMetadata", "FlattenedTensorBucket"])
     mod = ref.load_definitions(MODEL_RUNNER_UPDATER, ["logger", "WeightUpdater"], {
-        "NetworkAddress": net["NetworkAddress"], "init_custom_process_group": common["init_custom_process_group"]})
+        "NetworkAddress": net["NetworkAddress"], "init_custom_process_group": common["init_custom_process_group"],
+        "FlattenedTensorBucket": bucket["FlattenedTensorBucket"]})
     return mod["WeightUpdater"](tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None,
                                 custom_weight_loaders={}, get_model=lambda: None,
                                 update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
@@ -64,16 +68,21 @@ def _call(fn: Any, body: dict[str, Any]) -> Any:
     return fn(**body)
 
 
+def load_format(update: int) -> str | None:
+    """Updates alternate SGLang's two formats: one broadcast per tensor, one per bucket."""
+    return FLATTENED if update % 2 else None
+
+
 def _sglang_rank(sender: WeightSender, rank_offset: int, tp_rank: int, n_updates: int) -> list[Any]:
     updater = sglang_weight_updater(tp_rank)
     init = sender.init_request(rank_offset)
     ok, message = _call(updater.init_weights_update_group, init)
     assert ok, message
     received = []
-    for _ in range(n_updates):
+    for update in range(n_updates):
         for bucket in make_buckets():
-            received += _call(updater.receive_weights_from_distributed,
-                              {**bucket_meta(bucket), "group_name": init["group_name"]})
+            received += [(n, t.clone()) for n, t in _call(updater.receive_weights_from_distributed, {
+                **bucket_meta(bucket), "group_name": init["group_name"], "load_format": load_format(update)})]
     ok, message = updater.destroy_weights_update_group(init["group_name"])
     assert ok, message
     return received
@@ -85,10 +94,11 @@ def _embedded_rank(sender: WeightSender, rank_offset: int, tp_rank: int, n_updat
     receiver.init_group(init["master_address"], init["master_port"], init["rank_offset"] + tp_rank,
                         init["world_size"], init["group_name"], init["backend"], torch.device("cpu"), timeout_s=60)
     received = []
-    for _ in range(n_updates):
+    for update in range(n_updates):
         for bucket in make_buckets():
             meta = bucket_meta(bucket)
-            received += receiver.receive(meta["names"], meta["dtypes"], meta["shapes"], init["group_name"])
+            received += [(n, t.clone()) for n, t in receiver.receive(meta["names"], meta["dtypes"], meta["shapes"],
+                                                                     init["group_name"], load_format(update))]
     receiver.close()
     return received
 
@@ -100,7 +110,7 @@ def weight_world(port: int, servers: list[tuple[str, int]], group_name: str, n_u
     rank = dist.get_rank()
     if rank == 0:
         sender.connect(timeout_s=60)
-        sent = sum(sender.broadcast_bucket(b) for _ in range(n_updates) for b in make_buckets())
+        sent = sum(sender.broadcast_bucket(b, load_format(u)) for u in range(n_updates) for b in make_buckets())
         sender.close()
         return sent
     offset = 1

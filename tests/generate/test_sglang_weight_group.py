@@ -32,7 +32,8 @@ def _expected(n_updates: int) -> list[tuple[str, torch.Tensor]]:
 @needs_source
 def test_tp2_sglang_server_and_embedded_server_receive_every_update() -> None:
     """World = 1 sender + a tp=2 SGLang server (ranks 1, 2) + a 1-rank embedded server
-    (rank 3): every receiving rank gets every tensor of two updates, bit-identical."""
+    (rank 3): every receiving rank gets every tensor of two updates (one broadcast per
+    tensor, then SGLang's flattened_bucket format), bit-identical."""
     n_updates = 2
     out = run_distributed(R.weight_world, 4, free_port(), [("sglang", 2), ("embedded", 1)], "realscale-weights",
                           n_updates, timeout=240)

@@ -82,3 +82,61 @@ def test_train_with_sglang_backend_refused_before_anything_starts(tmp_path, caps
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "SGLang is not installed" in out[0]
     assert not (tmp_path / "r" / "logs").exists() and not (tmp_path / "r" / "config.yaml").exists()
+
+
+def _nccl_trainer(model_dir: str, url: str, port: int, conn) -> None:
+    """GPU 1: our sender streams the model's weights into the SGLang server on GPU 0."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from realscale.generate.client import InferenceClient
+        from realscale.generate.weight_sync import WeightSender, split_buckets
+
+        torch.cuda.set_device(1)
+        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        sender = WeightSender("127.0.0.1", port, world_size=2, backend="nccl", device="cuda:1")
+
+        async def push() -> int:
+            async with InferenceClient([url]) as client:
+                await client.init_weights_update_group(sender)  # asks /get_server_info for tp_size
+                await client.pause("abort")
+                sent = await client.update_weights(sender, split_buckets(state.items(), 1 << 20), weight_version=5)
+                await client.resume()
+                return sent
+
+        conn.send(("ok", asyncio.run(push())))
+    except BaseException as exc:  # noqa: BLE001 - report to the test
+        conn.send(("error", repr(exc)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")
+def test_distributed_update_into_real_sglang(tmp_path) -> None:
+    """Not run on the CPU development machine: two GPUs, SGLang on GPU 0, the sender on GPU 1
+    (NCCL). The pinned protocol end to end: group join, begin / buckets / end, version 5."""
+    import multiprocessing as mp
+
+    import requests
+    import torch
+
+    from realscale.models.tiny import resolve_model_path
+    from realscale.parallel.spawn import free_port
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (one per NCCL rank)")
+    path = resolve_model_path("small-qwen2")
+    (url, server), = launch_sglang(GenerateConfig(), path, [[0]], str(tmp_path))
+    try:
+        parent, child = mp.get_context("spawn").Pipe(duplex=False)
+        proc = mp.get_context("spawn").Process(target=_nccl_trainer, args=(path, url, free_port(), child))
+        proc.start()
+        assert parent.poll(600), "trainer did not finish"
+        status, sent = parent.recv()
+        proc.join(30)
+        assert status == "ok", sent
+        reply = requests.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 8, "ignore_eos": True}}, timeout=120).json()
+        assert reply["meta_info"]["weight_version"] == "5"
+    finally:
+        server.kill()

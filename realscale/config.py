@@ -187,6 +187,8 @@ class RolloutConfig:
     max_turns: int = knob(4, "Multi-turn workflow: most model turns per episode.")
     reward_timeout: float = knob(30.0, "Seconds a reward (or environment call) may take before it scores 0 as 'timeout'.")
     max_consecutive_failures: int = knob(8, "Failed episodes in a row (servers unreachable) before the trainer gets an error.")
+    controller_process: bool = knob(True, "Run the controller (HTTP client, workflow, rewards, batch packing) in its own "
+                                          "process, so trainer rank 0 computes like the others; false: on a thread of rank 0.")
 
     def __post_init__(self) -> None:
         _positive("rollout", "batch_size", self.batch_size)

@@ -2,14 +2,17 @@
 :mod:`realscale.launcher.supervisor` prepares the run and watches the processes).
 
 Every rank builds the Megatron engine on its layout and resumes from the run's last
-checkpoint. Rank 0 (the *driver*) also runs the rollout controller: its own event loop
-keeps prompts in flight on the generation servers within the staleness bound η, and it
-holds the servers' control. Then, each step:
+checkpoint. Rank 0 (the *driver*) also starts the rollout controller, in a process of its
+own (:mod:`realscale.rollout.process`): it keeps prompts in flight on the generation
+servers within the staleness bound η. The driver holds the servers' control. Then, each
+step:
 
-1. **batch** — the driver takes B accepted groups (waiting for rollouts if needed) and
-   packs them with GRPO/LOO advantages; every rank receives the batch;
+1. **batch** — the controller hands over B accepted groups, packed with GRPO/LOO
+   advantages (waiting for rollouts if needed); the driver splits every mini-batch into
+   token-balanced data-parallel shares, and each rank receives only its share, only the
+   parts its pipeline stage reads (:mod:`realscale.parallel.batch_scatter`);
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
-   data-parallel rank on its token-balanced share;
+   data-parallel rank on its share;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -32,8 +35,12 @@ import torch.distributed as dist
 from realscale.config import Config, config_from_dict
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
+from realscale.rollout.controller import client_factory
+from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
 from realscale.parallel.device import init_distributed
-from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
+from realscale.parallel.rank_metrics import ComputeClock, gather_figures, step_figures
+from realscale.train.actor import split_for_dp, stage_needs, update_policy
+from realscale.train.batch import PackedBatch
 from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
 from realscale.train.engine import EngineConfig, MegatronEngine
 
@@ -46,6 +53,8 @@ class Trainer:
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+        self.scatter = BatchScatter(self.engine.ranks, stage_needs())
+        self.clock = ComputeClock(self.engine.config)
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
@@ -57,22 +66,19 @@ class Trainer:
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls])
+            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls],
+                                    client_factory(cfg, server_urls))
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]) -> tuple[Any, Any]:
-        """The rollout controller (paused until the servers hold this run's weights) and
-        the metrics logger; on resume, logs are cut back to the checkpoint's step."""
+        """The rollouts (paused until the servers hold this run's weights) and the metrics
+        logger; on resume, logs are cut back to the checkpoint's step."""
         from realscale.metrics import MetricsLogger
-        from realscale.rollout.factory import build_controller
+        from realscale.rollout.process import start_rollouts
 
         if self.resumed_from:
             truncate_logs(self.out_dir, self.step)
-        controller = build_controller(self.cfg, model_dir, server_urls, self.out_dir)
-        if "controller" in extra:
-            controller.load_state_dict(extra["controller"])
-        controller.pause()
-        controller.start()
+        controller = start_rollouts(self.cfg, model_dir, server_urls, self.out_dir, extra.get("controller"))
         run = self.cfg.run
         logger = MetricsLogger(self.out_dir, run.total_steps, tensorboard=run.tensorboard, wandb=run.wandb,
                                wandb_mode=run.wandb_mode, start_step=self.step)
@@ -100,14 +106,16 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Take a batch, update the policy, publish the weights. Every rank calls it."""
         t0 = time.perf_counter()
-        batch, stats = self._next_batch()
+        shares, stats, moved = self._next_batch()
         t_wait = time.perf_counter() - t0
-        stats.update(update_policy(self.engine, batch, self.cfg))
+        self.clock.seconds()  # compute timed from here: this step's update only
+        stats.update(update_policy(self.engine, shares, self.cfg))
         t_train = time.perf_counter() - t0 - t_wait
+        stats.update(step_figures(gather_figures({**moved.local(), "compute_s": self.clock.seconds()})))
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))
         self.step += 1
-        trained = float(batch.fields["loss_mask"].sum())
+        trained = stats.get("perf/trained_tokens", 0.0)  # known on the driver, which logs
         elapsed = time.perf_counter() - t0
         stats.update({"perf/step_s": elapsed, "perf/wait_rollout_s": t_wait, "perf/train_s": t_train,
                       "perf/trained_tokens": trained, "perf/trained_tokens_per_s": trained / max(elapsed, 1e-9),
@@ -124,16 +132,17 @@ class Trainer:
         elif self.is_driver:
             self.controller.resume()
 
-    def _next_batch(self) -> tuple[Any, dict[str, float]]:
-        """The driver's next B groups as a packed batch, on every rank."""
-        batch, stats = None, {}
+    def _next_batch(self) -> tuple[list[PackedBatch], dict[str, float], ScatterStats]:
+        """This rank's share of every mini-batch of the next B groups."""
+        split, stats = None, {}
         if self.is_driver:
-            groups = self.controller.get_batch(self.cfg.rollout.batch_size, timeout=self.cfg.generate.request_timeout)
-            batch, stats = groups_to_batch(groups, self.cfg.algo)
-            lags = [self.version - g.min_version for g in groups]
-            stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
-            record_trained(self.out_dir, self.step + 1, groups)
-        return broadcast_batch(batch), stats
+            rollouts = self.controller.next_batch(self.cfg.rollout.batch_size, timeout=self.cfg.generate.request_timeout)
+            record_trained(self.out_dir, self.step + 1, rollouts.uids)
+            split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
+            stats = rollouts.stats
+        shares, moved = self.scatter.scatter(split)
+        stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)
+        return shares, stats, moved
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:

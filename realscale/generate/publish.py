@@ -20,23 +20,25 @@ Transports (how step 2 happens) are chosen by :func:`transport_for` from the con
 - :class:`DiskTransport` — an HF directory on shared storage, then
   ``/update_weights_from_disk`` (the fallback; any server).
 
-Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (the
-rollout controller's event loop and its HTTP client); the other ranks get ``None``.
+Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (its own
+HTTP client and event loop, and the rollout controller's pause / version / resume); the
+other ranks get ``None``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 if TYPE_CHECKING:
     from realscale.config import Config
     from realscale.generate.client import InferenceClient
-    from realscale.rollout.controller import RolloutController
     from realscale.train.engine import MegatronEngine
 
 
@@ -70,29 +72,72 @@ class SyncStats:
 Coro = Callable[["InferenceClient"], Awaitable[Any]]
 
 
-class ServerControl:
-    """Rank 0's handle on the servers: the rollout controller's loop and HTTP client."""
+class RolloutSide(Protocol):
+    """What server control needs of the rollout controller (in its own process or not:
+    :mod:`realscale.rollout.process`)."""
 
-    def __init__(self, controller: "RolloutController", servers: list[ServerEndpoint]) -> None:
-        self.controller = controller
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def retire(self, urls: list[str]) -> None: ...
+
+
+class ServerControl:
+    """Rank 0's handle on the servers: an HTTP client of its own, on an event loop of its
+    own (a thread of rank 0, busy only while a weight update runs), and the rollout
+    controller's pause / version / resume. The controller generates with its own client
+    (in its own process): ``fn(client)`` coroutines here never cross a process boundary,
+    so a transport may pass them live objects (a weight sender, a bucket iterator whose
+    exports are collectives of the trainer ranks). Servers a weight update retires (they
+    did not answer) are handed to the controller before generation resumes."""
+
+    def __init__(self, rollouts: RolloutSide, servers: list[ServerEndpoint],
+                 client: Callable[[], "InferenceClient"]) -> None:
+        self.rollouts = rollouts
         self.servers = servers
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="server-control", daemon=True)
+        self._thread.start()
+        self.client = client()
+        self._on_loop(self.client.start()).result(60.0)
+
+    def _on_loop(self, coro: Awaitable[Any]) -> "Future[Any]":
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, fn: Coro, timeout: float | None = 600.0) -> Any:
-        """``await fn(client)`` on the controller's loop; wait for the result."""
-        return self.controller.call(fn, timeout=timeout)
+        """``await fn(client)`` on the control loop; wait for the result."""
+        return self.submit(fn).result(timeout)
 
     def submit(self, fn: Coro) -> "Future[Any]":
-        """``await fn(client)`` on the controller's loop; return at once (a future)."""
-        return self.controller.submit(fn)
+        """``await fn(client)`` on the control loop; return at once (a future)."""
+        return self._on_loop(_await(fn, self.client))
 
     def pause(self, mode: str) -> None:
-        self.controller.pause()
+        self.rollouts.pause()
         self.run(lambda c: c.pause(mode))
 
     def resume(self, version: int) -> None:
-        self.controller.set_version(version)
+        retired = [s.url for s in self.client.servers if s.retired]
+        if retired:
+            self.rollouts.retire(retired)
+        self.rollouts.set_version(version)
         self.run(lambda c: c.resume())
-        self.controller.resume()
+        self.rollouts.resume()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._on_loop(self.client.close()).result(30.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def _await(fn: Coro, client: "InferenceClient") -> Any:
+    return await fn(client)
 
 
 class WeightTransport(abc.ABC):
@@ -238,6 +283,8 @@ class WeightPublisher:
 
     def close(self) -> None:
         self.transport.close()
+        if self.control is not None:
+            self.control.close()
 
 
 def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:

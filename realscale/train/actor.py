@@ -3,9 +3,11 @@
 - :func:`groups_to_batch`: accepted groups become one packed batch with per-token loss
   mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``) and the
   policy version of every token, plus rollout statistics.
-- :func:`update_policy`: the decoupled PPO update of DESIGN.md over ``train.mini_batches``
-  mini-batches; each data-parallel rank trains its token-balanced share; proximal
-  log-probs come from the policy before the first update.
+- :func:`split_for_dp` (driver): the batch into ``train.mini_batches`` mini-batches, each
+  into token-balanced data-parallel shares; :func:`stage_needs`: which parts of a share
+  each pipeline stage reads (the batch scatter sends only those).
+- :func:`update_policy`: the decoupled PPO update of DESIGN.md over this rank's shares
+  of the mini-batches; proximal log-probs come from the policy before the first update.
 
 The loss arguments come from :func:`realscale.algo.losses.loss_kwargs_from_config`, the
 one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
@@ -21,6 +23,7 @@ from realscale.train.batch import PackedBatch
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
+    from realscale.parallel.batch_scatter import StageNeeds
     from realscale.rollout.types import Group
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
 
@@ -62,27 +65,70 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
     return batch, stats
 
 
-def share_for_rank(batch: PackedBatch, dp: int, dp_rank: int) -> PackedBatch:
-    """This DP rank's sequences, balanced by token count across ranks."""
+def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
+    """``batch`` split into ``dp`` shares balanced by token count (one partition for all)."""
     if dp == 1:
-        return batch
+        return [batch]
     from realscale.data.packing import balanced_partition
 
-    assign = balanced_partition(batch.seqlens().numpy(), dp)
-    mine = [i for i, b in enumerate(assign.tolist()) if b == dp_rank]
-    if not mine:
-        raise RuntimeError(f"DP rank {dp_rank} received no sequences (batch of {batch.num_seqs} for dp={dp})")
-    return batch.select(mine)
+    assign = balanced_partition(batch.seqlens().numpy(), dp).tolist()
+    shares = []
+    for rank in range(dp):
+        mine = [i for i, b in enumerate(assign) if b == rank]
+        if not mine:
+            raise RuntimeError(f"DP rank {rank} received no sequences (batch of {batch.num_seqs} for dp={dp})")
+        shares.append(batch.select(mine))
+    return shares
+
+
+def split_for_dp(batch: PackedBatch, num_mini_batches: int, dp: int) -> list[list[PackedBatch]]:
+    """The driver's split of a step's batch: ``out[d][m]`` is DP rank ``d``'s share of
+    mini-batch ``m`` (what :class:`realscale.parallel.batch_scatter.BatchScatter` delivers)."""
+    parts = mini_batches(batch, num_mini_batches)
+    if any(p.num_seqs < dp for p in parts):
+        raise ValueError(f"a mini-batch has fewer sequences than dp={dp}: raise rollout.batch_size or lower "
+                         f"train.mini_batches ({num_mini_batches})")
+    by_part = [dp_shares(p, dp) for p in parts]
+    return [[shares[d] for shares in by_part] for d in range(dp)]
+
+
+def share_for_rank(batch: PackedBatch, dp: int, dp_rank: int) -> PackedBatch:
+    """This DP rank's sequences, balanced by token count across ranks (the rule
+    :func:`dp_shares` applies to every rank at once)."""
+    return dp_shares(batch, dp)[dp_rank]
 
 
 def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
-    """Rank ``src``'s batch on every trainer rank (torch.distributed, gloo or NCCL)."""
+    """Rank ``src``'s whole batch on every trainer rank, pickled (``broadcast_object_list``).
+    The path :class:`~realscale.parallel.batch_scatter.BatchScatter` replaced in the RL
+    loop; tests and ``benchmarks/bench_batch_transfer.py`` compare with it."""
     import torch.distributed as dist
 
     holder = [batch.to_payload() if batch is not None else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(holder, src=src)
     return PackedBatch.from_payload(holder[0])
+
+
+LOSS_FIELDS = ("loss_mask", "behav_logprobs", "advantages")  # the batch fields ppo_loss_fn reads
+
+
+def stage_needs() -> "StageNeeds":
+    """What each pipeline stage of the engine reads from its share (so only that is sent):
+
+    - every stage splits its share into micro-batches by ``cu_seqlens`` and sums the loss
+      normaliser over them (``MegatronEngine.train_step`` all-reduces it within the
+      stage): :func:`normalizer_fn` reads ``loss_mask``;
+    - the first stage embeds ``input_ids``;
+    - the last stage takes its targets from ``input_ids`` and evaluates
+      :func:`ppo_loss_fn`, which reads :data:`LOSS_FIELDS`.
+
+    Proximal and reference log-probs are computed on every rank, never sent; the token
+    versions stay on the driver (nothing in the update reads them)."""
+    from realscale.parallel.batch_scatter import StageNeeds
+
+    norm = ("loss_mask",)
+    return StageNeeds(first=("input_ids", *norm), middle=norm, last=("input_ids", *norm, *LOSS_FIELDS))
 
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
@@ -116,18 +162,12 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
     return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
 
 
-def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
+def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Config",
                   on_share: Callable[[PackedBatch], None] | None = None) -> dict[str, float]:
-    """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
-    of each mini-batch. Every trainer rank calls it with the same batch. ``on_share``
-    (optional) adds per-token fields to each share before the update (reference
-    log-probs, values)."""
-    r = engine.ranks
-    parts = mini_batches(batch, cfg.train.mini_batches)
-    if any(p.num_seqs < r.dp for p in parts):
-        raise ValueError(f"a mini-batch has fewer sequences than dp={r.dp}: raise rollout.batch_size or lower "
-                         f"train.mini_batches ({cfg.train.mini_batches})")
-    shares = [share_for_rank(p, r.dp, r.dp_rank) for p in parts]
+    """PPO mini-batches: ``shares`` holds this DP rank's token-balanced share of each
+    mini-batch (:func:`split_for_dp` on the driver, delivered by the batch scatter); every
+    trainer rank calls it. ``on_share`` (optional) adds per-token fields to each share
+    before the update (reference log-probs, values)."""
     for share in shares:
         if cfg.algo.decoupled:
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]

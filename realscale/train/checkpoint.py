@@ -20,7 +20,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from realscale.rollout.types import Group
     from realscale.train.engine import MegatronEngine
 
 LATEST = "latest_checkpoint"
@@ -58,10 +57,10 @@ def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: di
     return ckpt
 
 
-def record_trained(out_dir: str, step: int, groups: list["Group"]) -> None:
-    """Which prompts ``step`` trained on (audits resume: nothing repeated or skipped)."""
+def record_trained(out_dir: str, step: int, uids: list[str]) -> None:
+    """Which prompts (sample uids) ``step`` trained on (audits resume: nothing repeated or skipped)."""
     with open(os.path.join(out_dir, "trained_uids.jsonl"), "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"step": step, "uids": [g.uid for g in groups]}) + "\n")
+        fh.write(json.dumps({"step": step, "uids": list(uids)}) + "\n")
 
 
 def truncate_logs(out_dir: str, last_step: int) -> None:

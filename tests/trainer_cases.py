@@ -34,25 +34,29 @@ def synthetic_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0
     return groups
 
 
-def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
-    """groups -> batch (rank 0) -> broadcast -> DP share -> prox log-probs -> PPO step."""
+def one_rl_step(model_dir: str, tp: int, dp: int, pp: int = 1) -> dict[str, Any]:
+    """groups -> batch (rank 0) -> split into DP shares -> batch scatter -> prox log-probs
+    -> PPO step; the log-probs before and after over the whole batch."""
     import torch.distributed as dist
 
     from realscale.config import load_config
-    from realscale.train.engine import EngineConfig, MegatronEngine
+    from realscale.parallel.batch_scatter import BatchScatter
     from realscale.train import actor as trainer
+    from realscale.train.engine import EngineConfig, MegatronEngine
 
-    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-3", "train.mini_batches=2",
-                             "train.max_tokens_per_micro_batch=40"])
+    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}", "optim.lr=1e-3",
+                             "train.mini_batches=2", "train.max_tokens_per_micro_batch=40"])
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
-    batch = None
+    batch, split = None, None
     if dist.get_rank() == 0:
         batch, _ = trainer.groups_to_batch(synthetic_groups(engine), cfg.algo)
+        split = trainer.split_for_dp(batch, cfg.train.mini_batches, engine.ranks.dp)
     else:
         synthetic_groups(engine)  # same collectives as rank 0 (log-probs of the same data)
-    batch = trainer.broadcast_batch(batch)
-    before = engine.logprobs(batch)["logprobs"]
-    stats = trainer.update_policy(engine, batch, cfg)
-    after = engine.logprobs(batch)["logprobs"]
-    return {"stats": stats, "before": before, "after": after, "advantages": batch.fields["advantages"],
-            "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}
+    shares, _ = BatchScatter(engine.ranks, trainer.stage_needs()).scatter(split)
+    whole = trainer.broadcast_batch(batch)  # to compare log-probs over the whole batch
+    before = engine.logprobs(whole)["logprobs"]
+    stats = trainer.update_policy(engine, shares, cfg)
+    after = engine.logprobs(whole)["logprobs"]
+    return {"stats": stats, "before": before, "after": after, "advantages": whole.fields["advantages"],
+            "loss_mask": whole.fields["loss_mask"], "cu_seqlens": whole.cu_seqlens}

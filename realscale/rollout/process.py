@@ -151,7 +151,7 @@ class ControllerProcess:
                 raise RolloutError(f"the rollout controller process died (exit code {self._proc.exitcode})")
         try:
             kind, payload = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the child closed its end, or died with it
             self._proc.join(5)
             raise RolloutError(f"the rollout controller process died (exit code {self._proc.exitcode})") from None
         if kind == "error":

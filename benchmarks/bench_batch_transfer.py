@@ -144,7 +144,7 @@ def main() -> None:
             pair = [measure(m, size, world, tp, pp, args.repeats, args.areal_scale) for m in ("broadcast", "scatter")]
             rows += pair
             b, s = pair
-            print(f"{size:6s} {b['layout']:9s} {b["batch_bytes"] / MB:9.2f} MB batch | bytes moved: broadcast "
+            print(f"{size:6s} {b['layout']:9s} {b['batch_bytes'] / MB:9.2f} MB batch | bytes moved: broadcast "
                   f"{b['bytes'] / MB:9.1f} MB, scatter {s['bytes'] / MB:9.1f} MB (bound {s['bound'] / MB:9.1f}) "
                   f"{b['bytes'] / max(s['bytes'], 1):5.2f}x | seconds: {b['seconds']:7.3f} vs {s['seconds']:7.3f} "
                   f"{b['seconds'] / max(s['seconds'], 1e-9):5.2f}x | rank-0 peak RSS over the batch: "

@@ -20,8 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
     "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
-    "sft": ("realscale.commands.sft", "warm-start a tiny Qwen2 on the default task (masked NLL on the Megatron engine)"),
-    "eval": ("realscale.commands.eval", "held-out accuracy of a model directory on the task (embedded generation engine)"),
+    "sft": ("realscale.commands.sft", "supervised fine-tuning (prompt/response or chat JSONL, or the task) on the Megatron engine; staged recipes"),
+    "eval": ("realscale.commands.eval", "pass@k / avg@n / maj@n of a model on a benchmark file or a task, through generation servers"),
+    "data": ("realscale.commands.data", "convert public dataset layouts (GSM8K, MATH, AIME, AReaL, code) into the recipe format"),
     "sweep": ("realscale.commands.sweep", "render one plan and one sbatch job per model size (or config axis); --dry-run prints them"),
     "rank": ("realscale.commands.rank", "one trainer rank or generation server of a launched run (under srun, torchrun or mpirun)"),
 }

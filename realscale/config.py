@@ -61,6 +61,8 @@ class RunConfig:
     seed: int = knob(1, "Global seed for data order, sampling and initialisation.")
     total_steps: int = knob(20, "Number of RL (policy-update) steps to run.")
     checkpoint_every: int = knob(10, "Save a resumable checkpoint every k steps (0: only at the end).")
+    keep_checkpoints: int = knob(0, "Keep only the newest k checkpoints (older ones are deleted after each successful save; 0: keep all). Pinned ones are never deleted.")
+    pin_checkpoints: List[int] = knob([], "Steps whose checkpoints are never deleted by keep_checkpoints (a checkpoint directory holding a file named PIN is kept too).")
     log_every: int = knob(1, "Write metrics every k steps.")
     tensorboard: bool = knob(False, "Also write TensorBoard event files.")
     wandb: bool = knob(False, "Also log to Weights & Biases.")
@@ -70,6 +72,7 @@ class RunConfig:
         _positive("run", "total_steps", self.total_steps, allow_zero=True)
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "log_every", self.log_every)
+        _positive("run", "keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         _one_of("run", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
@@ -216,7 +219,8 @@ class GenerateConfig:
     top_k: int = knob(-1, "Top-k sampling (-1: off).")
     pause_mode: str = knob("abort", "How a weight update pauses generation: abort, retract or in_place.")
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
-    request_timeout: float = knob(600.0, "Seconds before a generation request is given up and retried.")
+    request_timeout: float = knob(0.0, "Seconds a generation request may run before it is aborted on its server (its partial output kept) and resent. 0: auto, from the request's token budget and the decode rate measured on this run (timeout_slack times the expected time; none until a first answer was measured); -1: never; > 0: fixed. The trainer's wait for a batch follows from it.")
+    timeout_slack: float = knob(4.0, "Auto request timeout: this many times the time a request's token budget takes at the slowest recently measured decode rate.")
     base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
@@ -229,6 +233,10 @@ class GenerateConfig:
         _positive("generate", "num_servers", self.num_servers)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
+        if self.request_timeout < 0 and self.request_timeout != -1:
+            raise ConfigError(f"generate.request_timeout: -1 (never), 0 (auto) or seconds > 0, got {self.request_timeout!r}")
+        if self.timeout_slack <= 1:
+            raise ConfigError(f"generate.timeout_slack: must be > 1, got {self.timeout_slack!r}")
 
 
 @dataclass
@@ -273,6 +281,22 @@ class RewardConfig:
 
 
 @dataclass
+class SFTStage:
+    """One stage of a staged SFT recipe (``sft.stages``); 0 / empty means: as in ``sft``."""
+
+    name: str = knob("", "Stage name (its directory under sft.output); empty: stage<i>.")
+    data: str = knob("", "Demonstrations of this stage; empty: sft.data.")
+    max_seq_len: int = knob(0, "Longest example of this stage (the context length); 0: sft.max_seq_len.")
+    steps: int = knob(0, "Optimizer steps of this stage; 0: sft.steps.")
+    lr: float = knob(0.0, "Peak learning rate of this stage; 0: sft.lr.")
+    batch_size: int = knob(0, "Sequences per step of this stage; 0: sft.batch_size.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "steps", "lr", "batch_size"):
+            _positive("sft.stages", name, getattr(self, name), allow_zero=True)
+
+
+@dataclass
 class SFTConfig:
     """The warm start (``realscale sft``): next-token NLL on the task's answers, Megatron engine."""
 
@@ -288,6 +312,9 @@ class SFTConfig:
     warmup_steps: int = knob(20, "Linear warmup steps.")
     output: str = knob("", "Directory of the warm-started HF model; empty: <run dir>/sft.")
     eval_size: int = knob(200, "Held-out problems scored after training (0: skip the evaluation).")
+    data: str = knob("", "JSONL/Parquet of demonstrations: prompt + response rows, or chat 'messages' (realscale data convert --target sft makes them). Empty: the data section's task.")
+    max_seq_len: int = knob(4096, "Real data: longest prompt + response in tokens; longer examples are skipped and counted (cutting a response would cut its answer).")
+    stages: List[SFTStage] = knob([], "Staged SFT from one command, e.g. [{max_seq_len: 8192, steps: 200}, {max_seq_len: 16384, steps: 100}]: each stage starts from the previous stage's HF export (the first from base_model) and overrides the knobs it names; the last stage writes to output.")
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "steps",
@@ -295,6 +322,32 @@ class SFTConfig:
             _positive("sft", name, getattr(self, name))
         _positive("sft", "warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("sft", "eval_size", self.eval_size, allow_zero=True)
+        _positive("sft", "max_seq_len", self.max_seq_len)
+
+
+@dataclass
+class EvalConfig:
+    """Benchmark evaluation: ``realscale eval``, and ``realscale train``'s before/after
+    evaluation when ``data`` is set (pass@k, avg@n, maj@n through generation servers)."""
+
+    data: str = knob("", "Benchmark file (JSONL/Parquet in the recipe format) or task:<name> (its held-out split). For realscale train: scored before and after RL; empty: the task's held-out split for task: sources (greedy + sampled), else no evaluation.")
+    samples: int = knob(4, "Answers sampled per problem (n of avg@n, maj@n, pass@k).")
+    k: List[int] = knob([1], "pass@k values to report (each <= samples).")
+    temperature: float = knob(0.6, "Sampling temperature (0.6 with top-p 0.95: DeepSeek-R1's and AReaL's evaluation settings).")
+    top_p: float = knob(0.95, "Nucleus sampling threshold.")
+    max_new_tokens: int = knob(0, "Most tokens per answer; 0: generate.max_new_tokens.")
+    max_problems: int = knob(0, "Score only the first this many problems (0: all).")
+
+    def __post_init__(self) -> None:
+        _positive("eval", "samples", self.samples)
+        _positive("eval", "temperature", self.temperature, allow_zero=True)
+        _positive("eval", "max_new_tokens", self.max_new_tokens, allow_zero=True)
+        _positive("eval", "max_problems", self.max_problems, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"eval.top_p: must be in (0, 1], got {self.top_p!r}")
+        bad = [k for k in self.k if not 1 <= k <= self.samples]
+        if bad:
+            raise ConfigError(f"eval.k: pass@{bad[0]} needs 1 <= k <= eval.samples ({self.samples})")
 
 
 @dataclass
@@ -354,6 +407,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 

@@ -103,9 +103,17 @@ def write_result(result: EvalResult, path: str) -> str:
     return path
 
 
-def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:
-    """Accuracy on the task's held-out split: greedy, and sampled at the run's temperature
-    (4 samples per prompt: the policy RL trains). None for sources without a split."""
+def evaluate_heldout(cfg: Config, model_dir: str, out_dir: str = "") -> dict[str, float] | None:
+    """A run's before/after evaluation. With ``eval.data`` set: the benchmark's pass@k /
+    avg@n / maj@n through generation servers (records under ``out_dir``). Otherwise, for
+    task sources, accuracy on the task's held-out split: greedy, and sampled at the run's
+    temperature (4 samples per prompt: the policy RL trains). None for other sources."""
+    if cfg.eval.data:
+        from realscale.eval.benchmark import run_benchmark, settings_from_config
+
+        result = run_benchmark(cfg, model_dir, settings_from_config(cfg), out_dir or os.path.join(model_dir, "eval"))
+        print(result.table(), flush=True)
+        return result.metrics
     if not cfg.data.source.startswith("task:"):
         return None
     from realscale.tasks.arith import task_from_config

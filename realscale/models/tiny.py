@@ -207,9 +207,13 @@ def resolve_model_path(name_or_path: str) -> str:
                 json.dump(_spec_stamp(name_or_path), fh)
 
         return build_atomically(target, build, lambda path: _is_complete(path, name_or_path))
+    if name_or_path == "smollm2-135m":  # a real pretrained model, from a PyPI package (realscale/models/gguf.py)
+        from realscale.models.gguf import smollm2_dir
+
+        return smollm2_dir()
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
             raise ValueError(f"model directory {name_or_path!r} has no config.json")
         return name_or_path
     raise ValueError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
-                     f"({', '.join(BUILTIN)})")
+                     f"({', '.join(BUILTIN)}, smollm2-135m)")

@@ -34,8 +34,12 @@ from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPubl
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
-from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
+from realscale.train.checkpoint import (disk_usage, latest_checkpoint, record_trained, rotate_checkpoints,
+                                        save_checkpoint, truncate_logs)
 from realscale.train.engine import EngineConfig, MegatronEngine
+
+
+BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
 
 
 class Trainer:
@@ -128,12 +132,29 @@ class Trainer:
         """The driver's next B groups as a packed batch, on every rank."""
         batch, stats = None, {}
         if self.is_driver:
-            groups = self.controller.get_batch(self.cfg.rollout.batch_size, timeout=self.cfg.generate.request_timeout)
+            groups = self._wait_for_groups()
             batch, stats = groups_to_batch(groups, self.cfg.algo)
             lags = [self.version - g.min_version for g in groups]
             stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
             record_trained(self.out_dir, self.step + 1, groups)
         return broadcast_batch(batch), stats
+
+    def _wait_for_groups(self) -> list[Any]:
+        """B groups from the controller, waiting at most the batch limit that follows from
+        the recipe's generation length and the measured decode rate (none while the
+        request limit is none; realscale/generate/timeouts.py). The limit is re-read while
+        waiting, as rates get measured."""
+        r, g = self.cfg.rollout, self.cfg.generate
+        start = time.monotonic()
+        while True:
+            limit = self.controller.client.timeouts.batch_limit(
+                g.max_new_tokens, r.batch_size * r.n_samples, g.num_servers * g.max_running_requests)
+            left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+            try:
+                return self.controller.get_batch(r.batch_size, timeout=max(left, 0.0))
+            except TimeoutError:
+                if limit is not None and time.monotonic() - start >= limit:
+                    raise
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:
@@ -141,6 +162,7 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+        stats.update(disk_usage(self.out_dir))
         self.logger.log(self.step, stats)
 
     def _checkpoint_due(self) -> bool:
@@ -152,6 +174,8 @@ class Trainer:
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
         save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver)
+        if self.is_driver:  # bounded storage: the new checkpoint is complete, older ones may go
+            rotate_checkpoints(self.out_dir, self.cfg.run.keep_checkpoints, self.cfg.run.pin_checkpoints)
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

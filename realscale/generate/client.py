@@ -9,7 +9,12 @@
 - :meth:`InferenceClient.generate` handles interruption itself: a response with
   ``finish_reason.type == "abort"`` (a pause for a weight update) is resubmitted as
   prompt + partial output with the remaining token budget, and tokens, log-probs and
-  per-token policy versions are stitched into one :class:`GenerateResult`.
+  per-token policy versions are stitched into one :class:`GenerateResult`;
+- a generation past its time limit (:class:`realscale.generate.timeouts.RequestTimeouts`:
+  from the token budget and the measured decode rate, or fixed, or none) is aborted on
+  its server (``/abort_request`` with its rid); the server answers it with the partial
+  output, which is kept, and the rest is resent like an interruption (to another server
+  when there is one). Control calls (pause, weight loads, health) keep a fixed limit.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Iterable
 import aiohttp
 
 from realscale.generate.protocol import expand_spans
+from realscale.generate.timeouts import RequestTimeouts
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,12 @@ class ServerError(RuntimeError):
 
 class NoServerError(RuntimeError):
     """Every server is out of rotation."""
+
+
+CONTROL_TIMEOUT_S = 600.0  # pause / resume / weight loads / health: not generation
+ABORT_GRACE_S = 60.0  # how long a server that was told to abort a request may take to answer it
+WATCH_S = 5.0  # how often a running generation re-checks its limit (the limit moves as rates are measured)
+_NO_LIMIT = -1.0
 
 
 def parse_version(v: Any) -> Any:
@@ -58,6 +70,7 @@ class GenerateResult:
     num_interruptions: int = 0
     num_resends: int = 0  # re-sent after a server failure
     latency: float = 0.0
+    num_timeouts: int = 0  # aborted past the time limit (partial output kept, rest resent)
 
 
 @dataclasses.dataclass
@@ -74,13 +87,15 @@ class _Server:
 class InferenceClient:
     """Talks to N generation servers (``http://host:port``)."""
 
-    def __init__(self, urls: Iterable[str], *, request_timeout: float = 600.0, connect_timeout: float = 5.0,
+    def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 5.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
-                 max_interruptions: int = 100, pool_size: int = 256) -> None:
+                 max_interruptions: int = 100, pool_size: int = 256, timeout_slack: float = 4.0) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("InferenceClient needs at least one server URL")
-        self.request_timeout = request_timeout
+        # generation: 0 auto, -1 none, > 0 fixed (realscale/generate/timeouts.py)
+        self.timeouts = RequestTimeouts(request_timeout, timeout_slack)
+        self.request_timeout = request_timeout if request_timeout > 0 else CONTROL_TIMEOUT_S
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
         self.backoff = backoff
@@ -129,7 +144,8 @@ class InferenceClient:
     async def _request(self, server: _Server, method: str, path: str, body: Any = None,
                        timeout: float | None = None) -> Any:
         """One HTTP call; connection failures and 5xx raise ``aiohttp.ClientError``/``TimeoutError``."""
-        t = aiohttp.ClientTimeout(total=timeout or self.request_timeout, sock_connect=self.connect_timeout)
+        total = None if timeout == _NO_LIMIT else (timeout or self.request_timeout)
+        t = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout)
         async with self.session.request(method, server.url + path, json=body, timeout=t) as resp:
             raw = await resp.read()
             if resp.status >= 500:
@@ -159,9 +175,10 @@ class InferenceClient:
         server.healthy = False
         server.failures += 1
 
-    async def _routed(self, path: str, body: Any) -> tuple[Any, int]:
-        """POST to the least-loaded server; on failure re-send elsewhere. Returns (reply, resends)."""
-        avoid: set[str] = set()
+    async def _routed(self, path: str, body: Any, avoid: set[str] | None = None) -> tuple[Any, int]:
+        """POST to the least-loaded server (not one in ``avoid`` while others are healthy);
+        on failure re-send elsewhere. Returns (reply, resends)."""
+        avoid = set(avoid or ())
         for attempt in range(self.max_retries + 1):
             try:
                 server = self._pick(avoid)
@@ -172,6 +189,8 @@ class InferenceClient:
                 continue
             server.in_flight += 1
             try:
+                if path == "/generate":
+                    return await self._generate_on(server, body), attempt
                 return await self._request(server, "POST", path, body), attempt
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
                 self._mark_down(server, exc)
@@ -180,6 +199,39 @@ class InferenceClient:
             finally:
                 server.in_flight -= 1
         raise NoServerError(f"{path}: gave up after {self.max_retries + 1} attempts")
+
+    async def _generate_on(self, server: _Server, body: dict[str, Any]) -> Any:
+        """One /generate call under the time limit. Past it, the request is aborted on its
+        server and the server's answer (the partial output, finish reason ``abort``) is
+        returned with ``timed_out`` set to the server's URL; a server that does not answer the abort raises
+        TimeoutError (it is then treated as failed)."""
+        budget = int(body["sampling_params"].get("max_new_tokens", 128))
+        mark = self.timeouts.mark()
+        task = asyncio.ensure_future(self._request(server, "POST", "/generate", body, timeout=_NO_LIMIT))
+        try:
+            while True:
+                limit = self.timeouts.limit(budget)
+                left = WATCH_S if limit is None else min(WATCH_S, limit - self.timeouts.active_since(mark))
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if task in done:
+                    reply = task.result()
+                    self._observe(reply, mark)
+                    return reply
+            log.warning("request %s on %s past its %.0f s limit: aborting it there, keeping its partial output",
+                        body["rid"], server.url, limit)
+            await self._request(server, "POST", "/abort_request", {"rid": body["rid"]}, timeout=ABORT_GRACE_S)
+            reply = await asyncio.wait_for(asyncio.shield(task), ABORT_GRACE_S)
+            self._observe(reply, mark)
+            return {**reply, "timed_out": server.url}
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _observe(self, reply: Any, mark: tuple[float, float]) -> None:
+        for r in reply if isinstance(reply, list) else [reply]:
+            self.timeouts.observe(len(r.get("output_ids") or []), self.timeouts.active_since(mark))
 
     async def _health_loop(self) -> None:
         while True:
@@ -248,14 +300,18 @@ class InferenceClient:
         out_ids: list[int] = []
         out_lps: list[float] = []
         out_versions: list[Any] = []
-        interruptions = resends = 0
+        interruptions = resends = timeouts = 0
+        avoid: set[str] = set()
         text = ""
         while True:
             params["max_new_tokens"] = budget - len(out_ids)
             body = {"input_ids": list(input_ids) + out_ids, "sampling_params": params, "return_logprob": True,
                     "rid": f"{rid}-{interruptions}-{resends}"}
-            reply, tries = await self._routed("/generate", body)
+            reply, tries = await self._routed("/generate", body, avoid)
             resends += tries
+            slow = reply.pop("timed_out", None)
+            timeouts += slow is not None
+            avoid = {slow} if slow else set()  # the rest goes elsewhere when another server is healthy
             meta = reply["meta_info"]
             ids = list(reply["output_ids"])
             text += reply.get("text") or ""
@@ -274,7 +330,7 @@ class InferenceClient:
         return GenerateResult(input_ids=list(input_ids), output_ids=out_ids, output_logprobs=out_lps,
                               output_versions=out_versions, finish_reason=reason, text=text,
                               num_interruptions=interruptions, num_resends=resends,
-                              latency=time.monotonic() - start)
+                              latency=time.monotonic() - start, num_timeouts=timeouts)
 
     async def _control(self, path: str, body: dict[str, Any]) -> None:
         """POST to every server in rotation; one that cannot be reached is taken out of
@@ -289,10 +345,12 @@ class InferenceClient:
                 raise res
 
     async def pause(self, mode: str = "abort") -> None:
+        self.timeouts.pause()  # held requests do not run out of time while the servers are paused
         await self._control("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
         await self._control("/continue_generation", {})
+        self.timeouts.resume()
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None) -> list[Any]:
         body: dict[str, Any] = {"model_path": path}

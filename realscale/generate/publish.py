@@ -170,12 +170,14 @@ class BroadcastTransport(WeightTransport):
 
 class DiskTransport(WeightTransport):
     """An HF directory per version under ``<run>/weights/``, loaded by every server.
-    Only the newest two versions are kept (a server may still be reading the previous
-    one when the next is written)."""
 
-    def __init__(self, out_dir: str, keep: int = 2) -> None:
+    Storage stays bounded: once every server has loaded version v (the update returned
+    success from each of them; a server that did not answer was retired and never loads
+    again), every older version is deleted. So at most two versions are on disk, and two
+    only while the newer one is being written and loaded."""
+
+    def __init__(self, out_dir: str) -> None:
         self.root = os.path.join(out_dir, "weights")
-        self.keep = keep
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -187,15 +189,19 @@ class DiskTransport(WeightTransport):
         if control is not None:
             control.run(lambda c: c.update_weights_from_disk(path, weight_version=version))
             written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-            self._prune(version)
+            self.prune_before(version)
         return SyncStats(bytes=written, lower_bound=written)
 
-    def _prune(self, version: int) -> None:
+    def prune_before(self, version: int) -> list[str]:
+        """Delete every version older than ``version`` (all servers hold ``version``)."""
         import shutil
 
+        deleted = []
         for name in os.listdir(self.root):
-            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= version - self.keep:
+            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                deleted.append(name)
+        return deleted
 
 
 class WeightPublisher:

@@ -26,7 +26,7 @@ from realscale.launcher import LaunchError, backend_for, clear_stop, request_sto
 from realscale.metrics import plot_run, summary_text
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
-from realscale.train.checkpoint import checkpoint_name, latest_checkpoint
+from realscale.train.checkpoint import checkpoint_name, disk_usage, latest_checkpoint
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -103,6 +103,9 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     hist_path = os.path.join(out_dir, "staleness_hist.json")
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
     extra = {"total time": f"{time.time() - t0:.0f} s"}
+    disk = disk_usage(out_dir)
+    extra["disk use"] = (f"{_gib(disk['disk/run_bytes'])} (checkpoints {_gib(disk['disk/checkpoints_bytes'])}, "
+                         f"weight versions {_gib(disk['disk/weights_bytes'])}; {_gib(disk['disk/free_bytes'])} free)")
     for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
         label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
         extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
@@ -119,7 +122,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     print(summary_text(out_dir, extra))
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
-                   "staleness_hist": hist}, fh, indent=1)
+                   "staleness_hist": hist, "disk": disk}, fh, indent=1)
     return 0
 
 
@@ -131,6 +134,10 @@ def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
     if reason == "requeue" and cfg.launch.requeue:
         backend.requeue()
     return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _pct(x: float | None) -> str:

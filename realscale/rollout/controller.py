@@ -155,7 +155,8 @@ class RolloutController:
         r = cfg.rollout
         return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
                    filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
-                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout},
+                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout,
+                                                  "timeout_slack": cfg.generate.timeout_slack},
                    max_ahead=r.max_ahead)
 
     # ================================================================== trainer API

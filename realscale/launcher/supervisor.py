@@ -137,7 +137,8 @@ def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes as people read them (MiB below a GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _pct(x: float | None) -> str:

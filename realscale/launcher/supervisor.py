@@ -104,8 +104,8 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
     extra = {"total time": f"{time.time() - t0:.0f} s"}
     disk = disk_usage(out_dir)
-    extra["disk use"] = (f"{_gib(disk['disk/run_bytes'])} (checkpoints {_gib(disk['disk/checkpoints_bytes'])}, "
-                         f"weight versions {_gib(disk['disk/weights_bytes'])}; {_gib(disk['disk/free_bytes'])} free)")
+    extra["disk use"] = (f"{_size(disk['disk/run_bytes'])} (checkpoints {_size(disk['disk/checkpoints_bytes'])}, "
+                         f"weight versions {_size(disk['disk/weights_bytes'])}; {_size(disk['disk/free_bytes'])} free)")
     for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
         label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
         extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
@@ -136,7 +136,7 @@ def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
     return 0
 
 
-def _gib(n: float) -> str:
+def _size(n: float) -> str:
     """Bytes as people read them (MiB below a GiB)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

@@ -123,14 +123,16 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 async def _sample_all(urls: list[str], prompts: list[list[int]], settings: BenchmarkSettings,
-                      request_timeout: float, concurrency: int) -> list[list[Any]]:
-    """``samples`` generations per prompt, at most ``concurrency`` requests in flight."""
+                      gen_cfg: Any, concurrency: int) -> list[list[Any]]:
+    """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
+    the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
     from realscale.generate.client import InferenceClient
 
     params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
               "top_p": settings.top_p}
     gate = asyncio.Semaphore(concurrency)
-    async with InferenceClient(urls, request_timeout=request_timeout) as client:
+    async with InferenceClient(urls, request_timeout=gen_cfg.request_timeout,
+                               timeout_slack=gen_cfg.timeout_slack) as client:
         async def one(ids: list[int]) -> Any:
             async with gate:
                 return await client.generate(ids, dict(params))
@@ -185,7 +187,7 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
         urls = backend.start_servers(model_dir, asdict(cfg))
     try:
         concurrency = max(1, cfg.generate.max_running_requests * len(urls))
-        results = asyncio.run(_sample_all(urls, prompts, settings, _request_timeout(cfg), concurrency))
+        results = asyncio.run(_sample_all(urls, prompts, settings, cfg.generate, concurrency))
     finally:
         if backend is not None:
             backend.stop()
@@ -196,13 +198,6 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
         close_reward_pools()
     seconds = time.perf_counter() - start
     return _finish(model_dir, problems, results, texts, verdicts, settings, seconds, out_dir)
-
-
-def _request_timeout(cfg: "Config") -> float:
-    """The client's per-request timeout: the recipe's ``generate.request_timeout`` when it
-    sets one, else no fixed limit here (an evaluation has no batch to keep moving)."""
-    value = float(getattr(cfg.generate, "request_timeout", 0.0))
-    return value if value > 0 else 7 * 24 * 3600.0
 
 
 def _finish(model_dir: str, problems: list["PromptSample"], results: list[list[Any]], texts: list[list[str]],

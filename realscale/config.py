@@ -262,7 +262,11 @@ class RewardConfig:
     workers: int = knob(2, "Processes in the reward pool.")
     max_answer_chars: int = knob(2000, "Longer answers are refused (score 0) before parsing.")
     code_concurrency: int = knob(4, "Code reward: sandboxed programs run at once.")
-    code_memory_mb: int = knob(1024, "Code reward: address-space limit of one sandboxed program (MiB).")
+    code_memory_mb: int = knob(1024, "Code reward: memory of one sandboxed run, all its processes together (cgroup), and address space of each (MiB).")
+    code_disk_mb: int = knob(64, "Code reward: disk quota of one sandboxed run: its work dir, /tmp, /var/tmp, /dev/shm and /run/lock together (MiB).")
+    code_sandbox_allow_weaker: bool = knob(False, "Code reward: run programs even when a layer of the sandbox is missing (a warning once, metric reward_pool/sandbox_weakened); off: such runs score 0 with reason 'sandbox'. Never runs a program as root.")
+    code_python: str = knob("", "Code reward: the Python that runs candidate programs (a venv runs its base interpreter; only its standard library is visible); empty: the trainer's.")
+    code_uid_base: int = knob(61000, "Code reward: sandbox uids are code_uid_base+1 .. +256 (the judge runs as code_uid_base); give containers that share a kernel but not /run disjoint ranges.")
 
     def __post_init__(self) -> None:
         _one_of("reward", "kind", self.kind, ("math", "code"))
@@ -270,6 +274,9 @@ class RewardConfig:
         _positive("reward", "workers", self.workers)
         _positive("reward", "code_concurrency", self.code_concurrency)
         _positive("reward", "code_memory_mb", self.code_memory_mb)
+        _positive("reward", "code_disk_mb", self.code_disk_mb)
+        if not 1000 <= self.code_uid_base <= 2**31 - 1024:
+            raise ConfigError(f"reward.code_uid_base: must be in [1000, {2**31 - 1024}], got {self.code_uid_base}")
 
 
 @dataclass

@@ -217,8 +217,11 @@ def case_checkout_and_site_packages(env: Env) -> list[str]:
     env.cleanup.append(path)
     value, detail = env.score(_search_program(f"yield {path!r}"), _answer_tests(token))
     out = _scored(value, detail, "reading the checkout")
-    site = sysconfig.get_paths()["purelib"]
-    seen = f"import os\ndef seen():\n    return os.path.isdir({site!r}) or os.path.isdir({REPO!r})\n"
+    import site
+
+    dirs = sorted({sysconfig.get_paths()["purelib"], *site.getsitepackages()})
+    seen = (f"import os\ndef seen():\n    dirs = {dirs!r}\n"
+            f"    return any(os.path.isdir(d) and os.listdir(d) for d in dirs) or os.path.isdir({REPO!r})\n")
     out += _scored(*env.score(seen, "assert seen() == True\n"), "seeing site-packages or the checkout")
     return out
 
@@ -416,7 +419,7 @@ def _victim(pairs: list[tuple[str, str]], started: Callable[[], None]) -> list[t
 def case_cross_run_cwd(env: Env) -> list[str]:
     """Read another run's program through /proc/<pid>/cwd while it runs (another process)."""
     token = _token()
-    victim = f"import time\nSECRET = {token!r}\ndef add(a, b):\n    time.sleep(3)\n    return a + b\n"
+    victim = f"import time\nSECRET = {token!r}\ntime.sleep(3)\ndef add(a, b):\n    return a + b\n"
     spy = _search_program("for _ in range(60):\n" + "\n".join("    " + l for l in _PROC_ALL.strip().splitlines())
                           + "\n    import time; time.sleep(0.05)")
     out: list[str] = []
@@ -435,7 +438,7 @@ def case_cross_run_cwd(env: Env) -> list[str]:
 
 def case_cleanup_kills_other_run(env: Env) -> list[str]:
     """One process's cleanup must not kill another process's run (a correct answer then scores 0)."""
-    victim = "import time\ndef add(a, b):\n    time.sleep(2)\n    return a + b\n"
+    victim = "import time\ntime.sleep(2)\ndef add(a, b):\n    return a + b\n"
     quick = "def add(a, b):\n    return a + b\n"
     results = _victim([(victim, ADD_TESTS)], lambda: env.reward.score_batch([(quick, ADD_TESTS)] * 8))
     value, detail = results[0]
@@ -446,7 +449,8 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 
 
 def run_battery(only: list[str] | None = None, workers: int = 6) -> dict[str, list[str]]:
-    """Run the cases (concurrently) and return their violations by name."""
+    """Run the cases (concurrently) and return their violations by name, plus ``_python``:
+    the interpreter the sandbox ran (as the program itself saw it)."""
     names = only or list(CASES)
     with make_reward() as reward:
         env = Env(reward)
@@ -454,9 +458,47 @@ def run_battery(only: list[str] | None = None, workers: int = 6) -> dict[str, li
         try:
             with ThreadPoolExecutor(workers) as ex:
                 futures = {n: ex.submit(_guarded, CASES[n], env) for n in names}
-                return {n: f.result() for n, f in futures.items()}
+                out = {n: f.result() for n, f in futures.items()}
         finally:
             env.stop()
+        out["_python"] = [reward.sandbox.run_program("import sys; print(sys.executable)", reward.limits,
+                                                     reward.sandbox.layers_for(False)).stdout.strip()]
+        return out
+
+
+def make_python_under_tmp() -> tuple[str, str]:
+    """A Python installed under /tmp (this interpreter's binary and standard library,
+    hard-linked when possible) and a venv under /tmp made from it, with
+    --system-site-packages as CI venvs often are; returns (venv python, the tmp root).
+
+    A decoy dataset in that Python's site-packages must stay out of the sandbox."""
+    import shutil
+
+    root = tempfile.mkdtemp(prefix="realscale-py-", dir="/tmp")
+    base, ver = sys.base_prefix, f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    link = _hardlink_or_copy
+    os.makedirs(os.path.join(root, "py", "bin"))
+    link(os.path.realpath(os.path.join(base, "bin", ver)), os.path.join(root, "py", "bin", ver))
+    stdlib = os.path.join(base, "lib", ver)
+    shutil.copytree(stdlib, os.path.join(root, "py", "lib", ver), copy_function=link,
+                    ignore=lambda d, names: ["site-packages", "test"] if d == stdlib else [])
+    site = os.path.join(root, "py", "lib", ver, "site-packages")
+    os.makedirs(site)
+    with open(os.path.join(site, "decoy_dataset.jsonl"), "w") as fh:
+        fh.write(json.dumps({"answer": _token()}) + "\n")
+    venv = os.path.join(root, "venv")
+    subprocess.run([os.path.join(root, "py", "bin", ver), "-m", "venv", "--system-site-packages", "--without-pip",
+                    venv], check=True)
+    return os.path.join(venv, "bin", "python"), root
+
+
+def _hardlink_or_copy(src: str, dst: str) -> None:
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _guarded(fn: Callable[[Env], list[str]], env: Env) -> list[str]:

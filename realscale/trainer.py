@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from realscale.config import Config, ConfigError, load_config, run_dir, save_config
+from realscale.rollout.rewards import reward_pool_stats
 
 LATEST = "latest_checkpoint"
 
@@ -385,6 +386,7 @@ def rank_main(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], 
                 ctl = ctx.controller.stats()
                 stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
                 stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+                stats.update(reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
                 logger.log(ctx.step, stats)
             every = cfg.run.checkpoint_every
             saved = (every and ctx.step % every == 0) or ctx.step == cfg.run.total_steps

@@ -181,13 +181,16 @@ class CodeReward:
 
         calls = [(plain.to_json(args), plain.to_json(kwargs)) for args, kwargs in form.calls]
         outcome = self.sandbox.run_calls(code, form.fn, calls, self.limits, layers, judge)
-        if outcome.load_error:
-            return _process_verdict("load", outcome.run) or RewardResult(0.0, OK, f"failed: {outcome.load_error}"[:300])
-        if failures:
-            return _process_verdict(failures[0], outcome.run) or RewardResult(0.0, OK, f"failed {failures[0]}"[:300])
-        if len(outcome.answers) < len(calls):
-            return _process_verdict("calls", outcome.run) or RewardResult(0.0, OK, "the program stopped answering")
-        return RewardResult(1.0, OK, f"passed {len(calls)} calls")
+        run = outcome.run
+        if run.setup_failed:
+            return RewardResult(0.0, SANDBOX, f"sandbox set-up failed: {run.setup_error}"[:300])
+        if not failures and not outcome.load_error and len(outcome.answers) == len(calls):
+            return RewardResult(1.0, OK, f"passed {len(calls)} calls")
+        why = (f"to load: {outcome.load_error}" if outcome.load_error else failures[0] if failures
+               else "the program stopped answering")
+        if run.timed_out and (outcome.load_error or why.endswith("no answer")):
+            return RewardResult(0.0, TIMEOUT, f"{why}: killed after {run.wall_s:.1f} s"[:300])
+        return RewardResult(0.0, OK, f"failed {why}"[:300])
 
 
 def _case_passed(run: RunResult) -> bool:

@@ -97,9 +97,7 @@ def parse_tests(tests: object) -> CodeTests:
 
 
 def _check(test: str, entry_point: str | None, prelude: str) -> CheckTests:
-    names = free_names(test)
-    if entry_point and entry_point not in names:
-        names.append(entry_point)
+    names = sorted(set(free_names(test)) | ({entry_point} if entry_point else set()))
     if prelude:
         try:
             ast.parse(prelude)

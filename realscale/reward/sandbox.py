@@ -111,6 +111,19 @@ class SandboxRefused(RuntimeError):
     """A run refused because a layer is missing and no weaker sandbox was allowed."""
 
 
+def choose_layers(iso: Isolation, allow_weaker: bool, is_root: bool) -> dict[str, bool]:
+    """The policy: every layer, or refuse; the layers that work only when ``allow_weaker``;
+    and never a program left running as root (root here without the uid layer)."""
+    if iso.full:
+        return dict(iso.layers)
+    if is_root and not iso.layers.get("uid"):
+        raise SandboxRefused(f"sandbox refused: cannot drop root for the program ({iso.missing.get('uid', '?')})")
+    if not allow_weaker:
+        raise SandboxRefused(f"sandbox refused: missing {iso.describe()} "
+                             "(reward.code_sandbox_allow_weaker=true runs anyway, with a warning)")
+    return dict(iso.layers)
+
+
 @dataclass
 class RunResult:
     """How one candidate process ended."""
@@ -178,15 +191,7 @@ class Sandbox:
 
     def layers_for(self, allow_weaker: bool) -> dict[str, bool]:
         """The layers a run uses, or :class:`SandboxRefused` with the reason."""
-        iso = self.probe()
-        if iso.full:
-            return dict(iso.layers)
-        if os.geteuid() == 0 and not iso.layers["uid"]:
-            raise SandboxRefused(f"sandbox refused: cannot drop root for the program ({iso.missing['uid']})")
-        if not allow_weaker:
-            raise SandboxRefused(f"sandbox refused: missing {iso.describe()} "
-                                 "(reward.code_sandbox_allow_weaker=true runs anyway, with a warning)")
-        return dict(iso.layers)
+        return choose_layers(self.probe(), allow_weaker, os.geteuid() == 0)
 
     def _probe(self) -> Isolation:
         missing: dict[str, str] = {}
@@ -494,6 +499,7 @@ class _Cgroups:
         for version, find in ((2, _v2_bases), (1, _v1_bases)):
             try:
                 self.bases, self.version = find(), version
+                self.remove(self.create(f"probe-{os.getpid()}", SandboxLimits()))  # can we, really?
                 return
             except OSError as exc:
                 reasons.append(f"v{version}: {exc.strerror or exc}")

@@ -641,6 +641,10 @@ def _judge(spec, chan, plain):
     return {"passed": True, "detail": "passed"}
 
 
+_COMMON_TEST_IMPORTS = ("import ast, bisect, collections, copy, decimal, fractions, functools, hashlib, heapq, "
+                        "itertools, json, math, random, re, statistics, string, typing")
+
+
 def _preimport(*sources):
     """Import the modules the test code names while still able to read the interpreter's
     files (they may sit in a directory the judge uid cannot enter, such as /root)."""
@@ -728,6 +732,7 @@ def serve(ctl):
     plain, plain_src = _load_sibling("plain.py")
     _, harness_src = _load_sibling("_harness.py")
     harness = plain_src + "\n" + harness_src
+    _preimport(_COMMON_TEST_IMPORTS)  # once here: every judge is forked with them loaded
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # L processes are reaped by the kernel
     while True:
         try:

@@ -98,12 +98,21 @@ def parse_tests(tests: object) -> CodeTests:
 
 def _check(test: str, entry_point: str | None, prelude: str) -> CheckTests:
     names = sorted(set(free_names(test)) | ({entry_point} if entry_point else set()))
-    if prelude:
+    return CheckTests(test, entry_point, _prelude(prelude), names)
+
+
+def _prelude(prompt: str) -> str:
+    """The prompt as code the judge runs first (its imports and helpers): as it is, or with
+    the body of its last, open ``def`` stubbed; a prose prompt is no prelude."""
+    lines = prompt.rstrip().splitlines()
+    indent = len(lines[-1]) - len(lines[-1].lstrip()) if lines else 0
+    for text in (prompt, prompt.rstrip() + "\n" + " " * (indent + 4) + "pass\n"):
         try:
-            ast.parse(prelude)
-        except SyntaxError as exc:
-            raise ValueError(f"tests: the prompt (prelude) is not Python: {exc}") from None
-    return CheckTests(test, entry_point, prelude, names)
+            ast.parse(text)
+            return text
+        except SyntaxError:
+            continue
+    return ""
 
 
 def free_names(test: str) -> list[str]:

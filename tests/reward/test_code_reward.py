@@ -186,3 +186,30 @@ def test_bad_inputs_are_named(reward: CodeReward) -> None:
                                                                          "testtype": "functional"}])])
     assert bad.reason == "error" and "tests must be" in bad.detail
     assert mixed.reason == "error" and "mix" in mixed.detail
+
+
+def test_config_knobs_reach_the_reward_and_its_stats_reach_the_log() -> None:
+    """reward.code_* knobs are read; a sample's raw tests go to the reward; the shared pool's
+    counters (sandbox refusals and weakened runs included) are what the trainer logs."""
+    import asyncio
+
+    from realscale.config import RewardConfig
+    from realscale.data.dataset import PromptSample
+    from realscale.rollout.rewards import call_reward, close_reward_pools, reward_fn_for, reward_pool_stats
+
+    cfg = RewardConfig(kind="code", timeout=5.0, code_concurrency=1, code_memory_mb=256, code_disk_mb=8,
+                       code_sandbox_allow_weaker=True)
+    reward = CodeReward.from_config(cfg)
+    assert (reward.limits.memory_mb, reward.limits.disk_mb, reward.allow_weaker) == (256, 8, True)
+    reward.close()
+    sample = PromptSample(prompt="add", uid="s", tests={"test": "def check(f):\n    assert f(2, 3) == 5\n",
+                                                        "entry_point": "add", "prompt": "def add(a, b):\n"})
+    try:
+        fn = reward_fn_for(cfg, sample)
+        r = asyncio.run(call_reward(fn, "", "```python\ndef add(a, b):\n    return a + b\n```", sample, timeout=60))
+        assert r.value == 1.0, r.detail
+        stats = reward_pool_stats()
+        assert stats["reward_pool/passed"] == 1.0 and stats["reward_pool/sandbox"] == 0.0
+        assert stats["reward_pool/sandbox_weakened"] == 0.0  # every layer works here
+    finally:
+        close_reward_pools()

@@ -50,8 +50,7 @@ def test_functional_cases() -> None:
 @pytest.mark.parametrize("bad, why", [(None, "tests must be"), ({"x": 1}, "tests must be"), ("def (", "not Python"),
                                       ([{"input": "1"}], "needs 'input' and 'output'"),
                                       ([{"input": "1", "output": "1", "testtype": "functional"}], "fn_name"),
-                                      ({"inputs": [1], "outputs": []}, "1 inputs for 0 outputs"),
-                                      ({"test": "assert f()", "prompt": "def ("}, "prelude")])
+                                      ({"inputs": [1], "outputs": []}, "1 inputs for 0 outputs")])
 def test_bad_tests_are_named(bad: object, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         parse_tests(bad)
@@ -74,3 +73,10 @@ def test_answer_comparison_is_strict_about_types() -> None:
     assert not answer_matches("1", 1) and not answer_matches(None, [])
     assert answer_matches(3, [3], lenient=True) and not answer_matches(3, [3])
     assert answer_matches({"a": [1]}, {"a": [1]}) and not answer_matches({"a": 1}, {"b": 1})
+
+
+def test_prompt_becomes_a_prelude_only_when_it_is_code() -> None:
+    assert parse_tests({"test": "assert f(1) == 1", "prompt": "def f(x):\n"}).prelude == "def f(x):\n    pass\n"
+    assert parse_tests({"test": "assert f(1) == 1", "prompt": "Write f, please."}).prelude == ""
+    humaneval = 'import math\n\ndef f(x):\n    """Doc."""\n'
+    assert parse_tests({"test": "assert f(1) == 1", "prompt": humaneval}).prelude == humaneval

@@ -357,29 +357,36 @@ def _read_all(fd):
         chunks.append(chunk)
 
 
-def start_candidate(spec, argv, fds):
-    """Fork C, which starts G with ``fds`` ({target fd: L's fd}) and ``argv``."""
-    ctl_r, ctl_w = os.pipe()
-    rep_r, rep_w = os.pipe()
+def _fork_call(fn, keep, on_error):
+    """Fork a child that keeps only the fds in ``keep``, runs ``fn()`` and writes its result
+    (or ``on_error(exc)``) as JSON to a pipe; returns (pid, the pipe's read end)."""
+    read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            os.close(ctl_w)
-            os.close(rep_r)
-            _close_all_but([ctl_r, rep_w, *fds.values()])  # not L's ends of the candidate's pipes
-            report = _reap(spec, argv, fds, ctl_r)
+            os.close(read_end)
+            _close_all_but([*keep, write_end])
+            result = fn()
         except BaseException as exc:  # noqa: BLE001 - reported, never raised past the fork
-            report, code = {"setup_error": f"{type(exc).__name__}: {exc}", "status": None}, 1
+            result, code = on_error(exc), 1
         try:
-            os.write(rep_w, json.dumps(report).encode())
+            os.write(write_end, json.dumps(result).encode()[: 1 << 16])
         finally:
             os._exit(code)
+    os.close(write_end)
+    return pid, read_end
+
+
+def start_candidate(spec, argv, fds):
+    """Fork C, which starts G with ``fds`` ({target fd: L's fd}) and ``argv``."""
+    ctl_r, ctl_w = os.pipe()
+    pid, report_r = _fork_call(lambda: _reap(spec, argv, fds, ctl_r), [ctl_r, *fds.values()],
+                               lambda exc: {"setup_error": f"{type(exc).__name__}: {exc}", "status": None})
     os.close(ctl_r)
-    os.close(rep_w)
     for fd in fds.values():
         os.close(fd)
-    return Candidate(pid, ctl_w, rep_r)
+    return Candidate(pid, ctl_w, report_r)
 
 
 def _reap(spec, argv, fds, ctl_r):
@@ -577,19 +584,8 @@ def _run_calls(conn, spec, harness):
 def _run_check(conn, spec, harness, plain):
     """check form: J runs the test code against the candidate; L relays J's verdict."""
     cand, chan, outputs = _start_server(spec, harness)
-    verdict_r, verdict_w = os.pipe()
-    judge = os.fork()
-    if judge == 0:
-        code = 0
-        try:
-            os.close(verdict_r)
-            _close_all_but([chan.read_fd, chan.write_fd, verdict_w])
-            verdict = _judge(spec, chan, plain)
-        except BaseException as exc:  # noqa: BLE001
-            verdict, code = {"passed": False, "detail": f"judge failed: {type(exc).__name__}: {exc}"}, 1
-        os.write(verdict_w, json.dumps(verdict).encode()[: 1 << 16])
-        os._exit(code)
-    os.close(verdict_w)
+    judge, verdict_r = _fork_call(lambda: _judge(spec, chan, plain), [chan.read_fd, chan.write_fd],
+                                  lambda exc: {"passed": False, "detail": f"judge failed: {type(exc).__name__}: {exc}"})
     deadline = time.monotonic() + spec["limits"]["timeout"] + 2.0
     verdict = None
     if select.select([verdict_r], [], [], max(0.0, deadline - time.monotonic()))[0]:

@@ -16,7 +16,7 @@ from realscale.reward.code_reward import CodeReward, extract_code
 
 @pytest.fixture(scope="module")
 def reward():
-    r = CodeReward(concurrency=4, timeout=5.0, memory_mb=512, nproc=16)
+    r = CodeReward(concurrency=4, timeout=20.0, memory_mb=512, nproc=16)  # generous: the machine is shared
     yield r
     r.close()
 

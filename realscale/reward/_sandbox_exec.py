@@ -615,6 +615,7 @@ def _judge(spec, chan, plain):
         unshare(CLONE_NEWNET)
     resource.setrlimit(resource.RLIMIT_CPU, (int(spec["limits"]["timeout"]) + 2,) * 2)
     _preimport(spec["prelude"], spec["test"])
+    modules = _modules_named(spec["names"])  # e.g. MBPP's ``math.isclose`` without an import
     _drop(spec["judge_uid"])
     os.chdir("/")
     first = _first_line(chan)
@@ -625,7 +626,7 @@ def _judge(spec, chan, plain):
         exec(compile(spec["prelude"], "<prelude>", "exec"), ns)
     for name in spec["names"]:
         if name == spec["entry_point"] or name not in ns:
-            ns[name] = _proxy(name, chan, plain)
+            ns[name] = modules[name] if name in modules and name != spec["entry_point"] else _proxy(name, chan, plain)
     try:
         exec(compile(spec["test"], "<test>", "exec"), ns)
         if spec["entry_point"] and callable(ns.get("check")):
@@ -656,6 +657,20 @@ def _preimport(*sources):
                     importlib.import_module(name)
                 except BaseException:  # noqa: BLE001 - the test itself will report it
                     pass
+
+
+def _modules_named(names):
+    """The test's free names that are standard modules (imported here, not asked of the program)."""
+    import importlib
+
+    found = {}
+    for name in names:
+        if name in sys.stdlib_module_names:
+            try:
+                found[name] = importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 - then it is the program's name after all
+                pass
+    return found
 
 
 def _proxy(name, chan, plain):

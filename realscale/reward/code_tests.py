@@ -20,7 +20,9 @@ Three forms; in none does the candidate's exit status, output format or objects 
   unprivileged uid. Each name it takes from the candidate (its free names: ``candidate``'s
   function, helpers it calls) is a proxy that sends plain-data arguments to the candidate
   and gets a plain-data value back. Helpers defined by the sample's prompt (``prelude``,
-  e.g. HumanEval/32's ``poly``) are the prompt's, not the candidate's. Defeats: everything
+  e.g. HumanEval/32's ``poly``) are the prompt's, not the candidate's, and a free name that
+  is a standard module (MBPP's ``math.isclose`` without an import) is that module, the
+  judge's own. Defeats: everything
   above, plus rebinding the builtins or helpers the test uses (they live in the judge),
   ``SystemExit`` inside the function (an exception of the call, not an exit of the test),
   and reading the test code (it never enters the sandbox). Limits: arguments must be plain

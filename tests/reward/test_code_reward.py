@@ -213,3 +213,12 @@ def test_config_knobs_reach_the_reward_and_its_stats_reach_the_log() -> None:
         assert stats["reward_pool/sandbox_weakened"] == 0.0  # every layer works here
     finally:
         close_reward_pools()
+
+
+def test_mbpp_asserts_may_use_modules_they_do_not_import(reward: CodeReward) -> None:
+    """MBPP test lists call ``math.isclose`` relying on the solution's ``import math``: the
+    judge gives the test the module itself, and only the function comes from the program."""
+    tests = ["assert math.isclose(area(2), 12.566370614359172)", "assert area(0) == 0"]
+    good, bad = reward.score_batch([("import math\ndef area(r):\n    return math.pi * r * r\n", tests),
+                                    ("import math\ndef area(r):\n    return 3 * r * r\n", tests)])
+    assert (good.value, bad.value) == (1.0, 0.0), (good.detail, bad.detail)

@@ -29,6 +29,7 @@ that P or J decodes and compares.
 Message framing on the P socket: 4-byte big-endian length + JSON (``send_msg``/``recv_msg``).
 """
 
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -297,7 +298,7 @@ def _install_fds(fds, err_fd):
     return err
 
 
-def _become_candidate(spec, argv, fds, err_fd):
+def _become_candidate(spec, argv, fds, err):
     layers = spec["layers"]
     if layers["cgroup"]:
         _join_cgroup(spec)
@@ -315,7 +316,7 @@ def _become_candidate(spec, argv, fds, err_fd):
             os.chown("program.py", spec["uid"], spec["uid"])
     else:
         os.chdir(spec["workdir"])
-    err_fd = _install_fds(fds, err_fd)
+    err[0] = _install_fds(fds, err[0])
     _limit(spec)
     _drop(spec["uid"])
     os.execve(spec["python"], argv, spec["env"])
@@ -348,9 +349,12 @@ class Candidate:
         return self.report
 
 
-def _read_all(fd):
+def _read_all(fd, deadline=None):
+    """Everything until EOF (or until ``deadline``, monotonic seconds)."""
     chunks = []
     while True:
+        if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            return b"".join(chunks)
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return b"".join(chunks)
@@ -397,19 +401,23 @@ def _reap(spec, argv, fds, ctl_r):
     start = time.monotonic()
     g = os.fork()
     if g == 0:
+        err = [err_w]  # where set-up errors go (moved out of the way of fds 0..4 on the way)
         try:
             os.close(err_r)
             os.close(ctl_r)
-            _become_candidate(spec, argv, fds, err_w)
+            _become_candidate(spec, argv, fds, err)
         except BaseException as exc:  # noqa: BLE001
-            os.write(err_w, f"{type(exc).__name__}: {exc}".encode()[:2000])
-        os._exit(SETUP_FAILED)
+            with contextlib.suppress(OSError):
+                os.write(err[0], f"{type(exc).__name__}: {exc}".encode()[:2000])
+        finally:
+            os._exit(SETUP_FAILED)  # never return into the reaper's code
     os.close(err_w)
     for fd in fds.values():
         os.close(fd)
-    setup_error = _read_all(err_r).decode(errors="replace")  # EOF at exec, or the reason it failed
+    deadline = start + spec["limits"]["timeout"]
+    setup_error = _read_all(err_r, deadline).decode(errors="replace")  # EOF at exec, or why it failed
     os.close(err_r)
-    timed_out = _wait_or_kill(spec, g, ctl_r, start + spec["limits"]["timeout"])
+    timed_out = _wait_or_kill(spec, g, ctl_r, deadline)
     _, status = os.waitpid(g, 0)
     _sweep(spec, g)
     return {"status": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
@@ -510,10 +518,10 @@ def _workdir(spec):
     return path
 
 
-def _run_process(spec, argv, stdin, extra=None):
+def _run_process(spec, argv, stdin):
     """One candidate process to its end; its report with stdout/stderr."""
     out, err = _memfd(), _memfd()
-    cand = start_candidate(spec, argv, {0: _memfd(stdin.encode()), 1: os.dup(out), 2: os.dup(err), **(extra or {})})
+    cand = start_candidate(spec, argv, {0: _memfd(stdin.encode()), 1: os.dup(out), 2: os.dup(err)})
     report = cand.wait()
     lim = spec["limits"]
     report["stdout"], report["stdout_truncated"] = _output(out, lim["max_output"])

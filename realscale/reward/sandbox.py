@@ -215,11 +215,12 @@ class Sandbox:
         why = self._try(layers)
         if why is None:
             return Isolation(layers, missing)
-        # Something failed together: try each layer alone, so each missing one names its own reason.
-        for layer in [name for name, on in layers.items() if on]:
-            alone = {name: name == layer for name in LAYERS}
-            if layer == "mount" and layers["uid"]:
-                alone["uid"] = True  # the minimal root is only tried with the uid it is built for
+        # Something failed together: try each layer alone, so each missing one names its own
+        # reason; the uid on top of the minimal root when that works (an interpreter under
+        # /root is reachable by another uid only through the root's binds).
+        for layer in [name for name in LAYERS if layers[name] and name != "uid"] + ["uid"] * layers["uid"]:
+            alone = {name: name == layer or (layer == "uid" and name == "mount" and "mount" not in missing)
+                     for name in LAYERS}
             err = self._try(alone)
             if err is not None:
                 missing[layer] = err

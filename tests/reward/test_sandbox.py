@@ -84,3 +84,20 @@ def test_without_root_it_refuses_or_warns_once_when_allowed(tmp_path) -> None:
     assert [(v, r) for v, r, _ in got["weak"]] == [(1.0, "ok"), (1.0, "ok"), (0.0, "ok")]
     assert got["stats"]["sandbox_weakened"] == 3
     assert out.stderr.count("running WITHOUT a full sandbox") == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the layer-by-layer probe runs only when every layer could work (root)")
+def test_probe_names_exactly_the_layer_that_fails(monkeypatch) -> None:
+    """When the full sandbox fails, each layer is tried on its own (the uid on top of the
+    minimal root) and only the failing one is reported, with its own reason."""
+    from realscale.reward.sandbox import Sandbox
+
+    real_try = Sandbox._try
+
+    def ipc_broken(self: Sandbox, layers: dict[str, bool]) -> str | None:
+        return "ipc namespace refused" if layers["ipc"] else real_try(self, layers)
+
+    monkeypatch.setattr(Sandbox, "_try", ipc_broken)
+    iso = Sandbox(state_dir="/run/realscale-sandbox").probe()
+    assert iso.missing == {"ipc": "ipc namespace refused"}
+    assert iso.layers == {**FULL, "ipc": False}

@@ -631,7 +631,10 @@ def _judge(spec, chan, plain):
         return {"passed": False, "detail": f"program did not load: {first.get('load_error', first)}"[:500]}
     ns = {"__name__": "__judge__"}
     if spec["prelude"]:
-        exec(compile(spec["prelude"], "<prelude>", "exec"), ns)
+        try:  # the prompt's imports and helpers; a prompt that is not runnable code gives what it defined
+            exec(compile(spec["prelude"], "<prelude>", "exec"), ns)
+        except Exception:  # noqa: BLE001
+            pass
     for name in spec["names"]:
         if name == spec["entry_point"] or name not in ns:
             ns[name] = modules[name] if name in modules and name != spec["entry_point"] else _proxy(name, chan, plain)

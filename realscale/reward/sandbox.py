@@ -318,7 +318,8 @@ class Sandbox:
         if cgroup is not None:
             for procs in cgroup:
                 kill_procs_of(procs)
-            self._cgroups.remove(cgroup)
+            if uid is None:  # a one-off name; a uid slot's cgroup stays for its next run
+                self._cgroups.remove(cgroup)
         if uid is not None:
             if conv is None or not conv.finished:
                 kill_uid(uid)
@@ -470,11 +471,10 @@ class _Slots:
     @staticmethod
     def _clear_leftovers(uid: int, cgroups: "_Cgroups | None", layers: dict[str, bool]) -> None:
         """A slot whose last holder crashed may still have processes: kill them first."""
-        stale = cgroups is not None and cgroups.exists(f"u{uid}")
+        stale = cgroups is not None and cgroups.populated(f"u{uid}")
         if stale:
             for procs in cgroups.paths(f"u{uid}"):
                 kill_procs_of(procs)
-            cgroups.remove(cgroups.paths(f"u{uid}"))
         if stale or not layers["cgroup"]:
             kill_uid(uid)
             _wait_uid_gone(uid)
@@ -509,11 +509,18 @@ class _Cgroups:
     def paths(self, name: str) -> list[str]:
         return [os.path.join(base, name, "cgroup.procs") for base in self.bases]
 
-    def exists(self, name: str) -> bool:
-        return any(os.path.exists(p) for p in self.paths(name))
+    def populated(self, name: str) -> bool:
+        """Whether cgroup ``name`` exists and holds a process."""
+        for procs in self.paths(name):
+            with contextlib.suppress(FileNotFoundError), open(procs) as fh:
+                if fh.read().strip():
+                    return True
+        return False
 
     def create(self, name: str, limits: SandboxLimits) -> list[str]:
-        """The run's cgroup (its ``cgroup.procs`` files) with its memory and process limits."""
+        """The run's cgroup (its ``cgroup.procs`` files) with its memory and process limits.
+        A uid slot keeps its cgroup from run to run (mkdir/rmdir of a memory cgroup can take
+        hundreds of ms on a loaded machine); it is empty between runs."""
         memory, pids = str(limits.memory_mb << 20), str(limits.nproc)
         for base in self.bases:
             d = os.path.join(base, name)
@@ -529,8 +536,7 @@ class _Cgroups:
                 _write(d, "pids.max", pids)
         return self.paths(name)
 
-    @staticmethod
-    def remove(procs_files: list[str]) -> None:
+    def remove(self, procs_files: list[str]) -> None:
         for procs in procs_files:
             d = os.path.dirname(procs)
             for _ in range(200):

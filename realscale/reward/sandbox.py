@@ -530,6 +530,8 @@ class _Cgroups:
                 _write(d, "memory.swap.max", "0", optional=True)
                 _write(d, "pids.max", pids)
             elif os.path.exists(os.path.join(d, "memory.limit_in_bytes")):
+                # memory + swap must stay >= memory at each step, whichever way the limit moves
+                _write(d, "memory.memsw.limit_in_bytes", "-1", optional=True)
                 _write(d, "memory.limit_in_bytes", memory)
                 _write(d, "memory.memsw.limit_in_bytes", memory, optional=True)
             else:

@@ -417,11 +417,15 @@ def _reap(spec, argv, fds, ctl_r):
     deadline = start + spec["limits"]["timeout"]
     setup_error = _read_all(err_r, deadline).decode(errors="replace")  # EOF at exec, or why it failed
     os.close(err_r)
+    execed = time.monotonic()
     timed_out = _wait_or_kill(spec, g, ctl_r, deadline)
+    ended = time.monotonic()
     _, status = os.waitpid(g, 0)
     _sweep(spec, g)
-    return {"status": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
-            "wall_s": time.monotonic() - start, "setup_error": setup_error or None}
+    done = time.monotonic()
+    return {"status": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "wall_s": done - start,
+            "setup_error": setup_error or None,
+            "phases": {"setup": execed - start, "run": ended - execed, "reap": done - ended}}
 
 
 def _wait_or_kill(spec, g, ctl_r, deadline):
@@ -723,6 +727,7 @@ def _exception(answer):
 
 def run_one(conn, harness, plain):
     """L: one run, start to end, over ``conn``."""
+    os.setsid()  # a session per run: its processes together, and (with autogroup) its own CPU share
     spec = recv_msg(conn)
     if spec is None:
         return

@@ -135,6 +135,7 @@ class RunResult:
     wall_s: float
     setup_error: str | None = None
     stdout_truncated: bool = False
+    phases: dict[str, float] = field(default_factory=dict)  # seconds in set-up / run / reap, for diagnosis
 
     @property
     def setup_failed(self) -> bool:
@@ -144,7 +145,8 @@ class RunResult:
     def from_report(cls, r: dict) -> "RunResult":
         timed_out = bool(r.get("timed_out"))
         return cls(None if timed_out else r.get("status"), r.get("stdout", ""), r.get("stderr", ""), timed_out,
-                   float(r.get("wall_s", 0.0)), r.get("setup_error"), bool(r.get("stdout_truncated")))
+                   float(r.get("wall_s", 0.0)), r.get("setup_error"), bool(r.get("stdout_truncated")),
+                   dict(r.get("phases") or {}))
 
 
 @dataclass

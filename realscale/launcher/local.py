@@ -72,7 +72,7 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     return servers
 
 
-def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
+def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0, dtype: str = "float32",
                        timeout: float = 900.0) -> list[ServerProc]:
     """``gen.num_servers`` vLLM servers (:mod:`realscale.generate.vllm_server`), each on a
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
@@ -91,7 +91,7 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
         port = free_port(gen.host)
         log_path = os.path.join(log_dir, f"server{i}.log")
         log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
-        proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed + i), env=vllm_env(gen), stdout=log,
+        proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed + i, dtype=dtype), env=vllm_env(gen), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         servers.append(ServerProc(f"http://{gen.host}:{port}", proc, log_path))
     try:
@@ -212,7 +212,7 @@ class LocalBackend:
         g = self.cfg.generate
         if g.backend == "vllm":
             self.servers = start_vllm_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
-                                              timeout=self.cfg.launch.health_timeout)
+                                              dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout)
             return [s.url for s in self.servers]
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,

@@ -137,7 +137,7 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     env = vllm_env(g, on_gpu=on_gpu)
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp))
-    cmd = vllm_command(spec.model_dir, port, g, seed=seed, on_gpu=on_gpu)
+    cmd = vllm_command(spec.model_dir, port, g, seed=seed, on_gpu=on_gpu, dtype=spec.config["model"]["dtype"])
     _publish(spec.url_dir, index, f"http://{_advertised_host(g.host)}:{port}")
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)

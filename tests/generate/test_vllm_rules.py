@@ -26,7 +26,7 @@ def test_command_and_environment() -> None:
     cmd = vllm_command("/models/m", 4321, g, seed=5)
     args = dict(zip(cmd, cmd[1:]))
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert (args["--model"], args["--port"], args["--seed"]) == ("/models/m", "4321", "5")
+    assert (args["--model"], args["--port"], args["--seed"], args["--dtype"]) == ("/models/m", "4321", "5", "float32")
     assert (args["--tensor-parallel-size"], args["--max-model-len"], args["--max-num-seqs"]) == ("2", "1024", "16")
     assert args["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in cmd
     assert json.loads(args["--weight-transfer-config"]) == {"backend": "gloo"}

@@ -223,14 +223,14 @@ class GenerateConfig:
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
     mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
     cpu_threads: int = knob(1, "vLLM on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
-    vllm_kv_cache_gb: int = knob(1, "vLLM on CPU: KV-cache space per server, GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_kv_cache_mb: int = knob(1024, "vLLM on CPU: KV-cache memory per server rank, MiB (--kv-cache-memory-bytes).")
     vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
 
     def __post_init__(self) -> None:
         _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))
         _positive("generate", "tp", self.tp)
         _positive("generate", "cpu_threads", self.cpu_threads)
-        _positive("generate", "vllm_kv_cache_gb", self.vllm_kv_cache_gb)
+        _positive("generate", "vllm_kv_cache_mb", self.vllm_kv_cache_mb)
         if self.backend == "vllm" and (self.top_p < 1.0 or self.top_k > 0):
             raise ConfigError(f"generate.backend=vllm with top_p={self.top_p}, top_k={self.top_k}: vLLM reports "
                               "log-probs after top-k/top-p truncation, the trainer before it; set top_p=1 and "

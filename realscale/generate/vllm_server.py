@@ -13,8 +13,7 @@ checked without starting anything:
   ``--gpu-memory-utilization generate.mem_fraction_static``.
 - :func:`vllm_env` — ``VLLM_SERVER_DEV_MODE=1`` (mounts the RL routes: pause, resume,
   weight transfer, ``collective_rpc``), ``VLLM_HOST_IP`` (vLLM's internal sockets on the
-  server's own address, loopback by default), and on CPU the KV-cache space
-  (``VLLM_CPU_KVCACHE_SPACE`` = ``generate.vllm_kv_cache_gb``) and the OpenMP threads:
+  server's own address, loopback by default), and on CPU the OpenMP threads:
   ``generate.cpu_threads`` per worker, unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``;
   vLLM's automatic binding pins each worker to a NUMA node of its own and reserves a
   core, which a shared two-core machine does not have).
@@ -57,6 +56,8 @@ def vllm_command(model_dir: str, port: int, gen: Any, *, host: str | None = None
            "--disable-uvicorn-access-log"]
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(gen.mem_fraction_static)]
+    else:
+        cmd += ["--kv-cache-memory-bytes", str(gen.vllm_kv_cache_mb << 20)]
     if gen.vllm_enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(extra or [])
@@ -69,8 +70,8 @@ def vllm_env(gen: Any, *, on_gpu: bool = False, base: dict[str, str] | None = No
     env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": host or "127.0.0.1",
                 "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO")})
     if not on_gpu:
-        env.update({"VLLM_CPU_KVCACHE_SPACE": str(gen.vllm_kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                    "OMP_NUM_THREADS": str(gen.cpu_threads)})
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy knob would override --kv-cache-memory-bytes
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(gen.cpu_threads)})
     return env
 
 

@@ -43,7 +43,7 @@ PROMPTS = [[10, 11, 12], list(range(40, 70)), [99, 100, 101, 102, 103]]
 def _gen_config(**kw):
     from realscale.config import GenerateConfig
 
-    base = dict(backend="vllm", max_running_requests=8, context_length=512, vllm_kv_cache_gb=1)
+    base = dict(backend="vllm", max_running_requests=8, context_length=512, vllm_kv_cache_mb=128)
     return GenerateConfig(**{**base, **kw})
 
 

@@ -22,7 +22,7 @@ def test_command_and_environment() -> None:
     from realscale.generate.vllm_server import vllm_command, vllm_env
 
     g = GenerateConfig(backend="vllm", tp=2, context_length=1024, max_running_requests=16, cpu_threads=3,
-                       vllm_kv_cache_gb=2)
+                       vllm_kv_cache_mb=256)
     cmd = vllm_command("/models/m", 4321, g, seed=5)
     args = dict(zip(cmd, cmd[1:]))
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -30,16 +30,16 @@ def test_command_and_environment() -> None:
     assert (args["--tensor-parallel-size"], args["--max-model-len"], args["--max-num-seqs"]) == ("2", "1024", "16")
     assert args["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in cmd
     assert json.loads(args["--weight-transfer-config"]) == {"backend": "gloo"}
-    assert "--gpu-memory-utilization" not in cmd
+    assert "--gpu-memory-utilization" not in cmd and args["--kv-cache-memory-bytes"] == str(256 << 20)
     gpu_cmd = vllm_command("/m", 1, g, on_gpu=True)
     gpu = dict(zip(gpu_cmd, gpu_cmd[1:]))
     assert json.loads(gpu["--weight-transfer-config"]) == {"backend": "nccl"}
     assert gpu["--gpu-memory-utilization"] == str(g.mem_fraction_static)
-    env = vllm_env(g, base={})
+    assert "--kv-cache-memory-bytes" not in gpu_cmd
+    env = vllm_env(g, base={"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
-    assert (env["VLLM_CPU_KVCACHE_SPACE"], env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == \
-        ("2", "3", "nobind")
-    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(g, on_gpu=True, base={})
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("3", "nobind")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
 def test_dialect_pause_modes_and_sampling_params() -> None:

@@ -120,7 +120,9 @@ def wait_healthy(server: ServerProc, timeout: float, what: str = "generation ser
 
 
 def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
-    """SIGTERM each server's process group, then SIGKILL what is left."""
+    """SIGTERM each server's process group, then SIGKILL what is left of it: also children
+    that outlive their leader (vLLM's engine-core and worker processes can miss a SIGTERM
+    under load and would be orphaned, holding memory)."""
     for s in servers:
         if s.proc.poll() is None:
             try:
@@ -132,11 +134,22 @@ def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
         try:
             s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            s.proc.wait()
+            pass
+        while _group_alive(s.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # the group keeps the leader's id after it exits
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple) -> None:

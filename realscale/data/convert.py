@@ -25,9 +25,9 @@ and what it refused, by reason. Layouts:
   already wrapped in a chat template (R1's ``<｜User｜>…<｜Assistant｜>``, ChatML) is
   unwrapped to the user's text, because the workflow applies the model's own template.
 - ``code``: HumanEval (``prompt``, ``test``, ``entry_point``), MBPP (``text``/``prompt``,
-  ``test_list``), or APPS/TACO-style ``input_output`` with ``fn_name`` (turned into
-  assert statements). Tests that feed stdin and compare stdout are refused: the code
-  reward runs assert-style test programs only.
+  ``test_list``), or APPS/TACO-style ``input_output`` (stdin/stdout cases, or function
+  calls with ``fn_name``), kept in the forms the code reward judges
+  (:func:`realscale.reward.code_tests.parse_tests`); tests it could not read are refused.
 - ``recipe``: rows already in the recipe format (checked, passed through).
 
 ``detect_format`` picks the layout from the first readable row's keys. Readers: JSONL,
@@ -299,8 +299,11 @@ def convert_areal(row: dict[str, Any], target: str, id2info: dict[str, dict[str,
     return {"prompt": prompt, "answer": answers[0], "metadata": meta}, ""
 
 
-def _io_tests(raw: Any) -> tuple[str | None, str]:
-    """Assert statements for function-call ``input_output`` tests; stdin/stdout ones are refused."""
+def _io_tests(raw: Any) -> tuple[dict[str, Any] | None, str]:
+    """APPS/TACO-style ``input_output`` (a JSON string or object of ``inputs`` / ``outputs``,
+    and ``fn_name`` for function-call cases), checked as the code reward will read it."""
+    from realscale.reward.code_tests import parse_tests
+
     try:
         io = json.loads(raw) if isinstance(raw, str) else raw
     except json.JSONDecodeError:
@@ -308,16 +311,13 @@ def _io_tests(raw: Any) -> tuple[str | None, str]:
     if not isinstance(io, dict) or not isinstance(io.get("inputs"), list) or not isinstance(io.get("outputs"), list):
         return None, "'input_output' lacks 'inputs' / 'outputs' lists"
     if len(io["inputs"]) != len(io["outputs"]) or not io["inputs"]:
-        return None, "'input_output' has no cases or unequal inputs and outputs"
-    fn = io.get("fn_name")
-    if not isinstance(fn, str) or not fn.isidentifier():
-        return None, "stdin/stdout tests (no 'fn_name'): the code reward runs assert-style tests only"
-    lines = [f"_f = Solution().{fn} if 'Solution' in globals() else {fn}"]
-    for args, want in zip(io["inputs"], io["outputs"]):
-        args = args if isinstance(args, list) else [args]
-        want = want[0] if isinstance(want, list) and len(want) == 1 else want
-        lines.append(f"assert _f(*{args!r}) == {want!r}")
-    return "\n".join(lines) + "\n", ""
+        return None, "'input_output' has no cases, or unequal inputs and outputs"
+    tests = {k: io[k] for k in ("inputs", "outputs", "fn_name") if k in io}
+    try:
+        parse_tests(tests)
+    except ValueError:
+        return None, "'input_output' not readable by the code reward"
+    return tests, ""
 
 
 def convert_code(row: dict[str, Any], target: str) -> Converted:

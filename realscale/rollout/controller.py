@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from realscale.data.dataset import PromptSample
+from realscale.generate.client import dialect_for
 from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.types import Group
 from realscale.rollout.workflows import Workflow
@@ -156,7 +157,8 @@ class RolloutController:
         return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
                    filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
                    version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout,
-                                                  "timeout_slack": cfg.generate.timeout_slack},
+                                                  "timeout_slack": cfg.generate.timeout_slack,
+                                                  "dialect": dialect_for(cfg.generate.backend)},
                    max_ahead=r.max_ahead)
 
     # ================================================================== trainer API

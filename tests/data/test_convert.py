@@ -80,14 +80,18 @@ def test_areal_merged_rows_math_and_code() -> None:
                   "input_output": json.dumps({"inputs": [[1, 2]], "outputs": [3], "fn_name": "add"})},
                  {"prompt": "s", "query_id": 3, "task": "code",
                   "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},
+                 {"prompt": "e", "query_id": 5, "task": "code", "input_output": json.dumps({"inputs": [], "outputs": []})},
                  {"prompt": "x", "query_id": 4, "solutions": "\\boxed{1}"})
     out, rep = convert_rows(iter(rows), "areal")
-    assert out[0]["answer"] == "5" and "assert _f(*[1, 2]) == 3" in out[1]["tests"]
-    assert rep.refused == {"stdin/stdout tests (no 'fn_name'): the code reward runs assert-style tests only": 1,
-                           "'solutions' missing or not a list of strings": 1}
+    assert out[0]["answer"] == "5"
+    assert out[1]["tests"] == {"inputs": [[1, 2]], "outputs": [3], "fn_name": "add"}
+    assert out[2]["tests"] == {"inputs": ["1 2\n"], "outputs": ["3\n"]}  # stdin/stdout cases, as the sandbox runs them
+    assert rep.refused == {"'input_output' has no cases, or unequal inputs and outputs": 1, "'solutions' missing or not a list of strings": 1}
 
 
-def test_code_layouts_and_io_tests_run() -> None:
+def test_code_layouts() -> None:
+    from realscale.reward.code_tests import CallTests, CheckTests, parse_tests
+
     rows = _rows({"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "test": "def check(f):\n    assert f(1, 2) == 3\n",
                   "entry_point": "add", "canonical_solution": "    return a + b\n"},
                  {"text": "Write square(x).", "test_list": ["assert square(3) == 9"], "code": "def square(x): return x*x"},
@@ -98,10 +102,7 @@ def test_code_layouts_and_io_tests_run() -> None:
     assert out[1]["tests"] == ["assert square(3) == 9"]
     assert rep.refused == {"no tests ('test' + 'entry_point', 'test_list' or 'input_output')": 1,
                            "'test_list' holds non-string tests": 1}
-    ns: dict[str, object] = {}
-    exec("def add(a, b):\n    return a + b\n" + out[2]["tests"], ns)  # the generated asserts pass on a right answer
-    with pytest.raises(AssertionError):
-        exec("def add(a, b):\n    return a - b\n" + out[2]["tests"], {})
+    assert isinstance(parse_tests(out[0]["tests"]), CheckTests) and isinstance(parse_tests(out[2]["tests"]), CallTests)
     sft, _ = convert_rows(iter(rows[:2]), "code", target="sft")
     assert sft[0]["response"].startswith("```python\ndef add(a, b):")
 

@@ -303,7 +303,13 @@ class InferenceClient:
             return {**reply, "timed_out": server.url}
         finally:
             if not task.done():
+                # Let the HTTP call finish cancelling now (its connection closes, which ends
+                # the request on the server) rather than after this loop may have stopped.
                 task.cancel()
+                try:
+                    await asyncio.wait({task}, timeout=5)
+                except BaseException:  # noqa: BLE001 - a second cancellation: the first one goes on
+                    pass
 
     def _observe(self, reply: Any, mark: tuple[float, float]) -> None:
         """The decode rate of a finished request, for the auto limit."""

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from realscale.config import load_config
 
@@ -61,23 +60,12 @@ def test_bad_rows_are_refused_and_counted(tmp_path: Path) -> None:
 
 def _hf_nll(model_dir: str, n: int = 6) -> float:
     """Response-token NLL of the first n demonstrations under HF (independent of Megatron)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_nll import hf_masked_nll
 
     from realscale.data.sft_data import encode_pair
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total = count = 0.0
-    for line in open(DATA).readlines()[:n]:
-        row = json.loads(line)
-        ids, mask = encode_pair(tok, row["prompt"], row["response"])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
-        lp = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        m = torch.tensor(mask[1:])
-        total += float(-(lp * m).sum())
-        count += float(m.sum())
-    return total / count
+    rows = [json.loads(line) for line in open(DATA).readlines()[:n]]
+    return hf_masked_nll(model_dir, lambda tok, r: encode_pair(tok, r["prompt"], r["response"]), rows)
 
 
 @pytest.mark.multiproc

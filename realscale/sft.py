@@ -69,28 +69,7 @@ def build_base_model(cfg: Config, out_dir: str) -> str:
     build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
                      seed=cfg.run.seed)
-    return _standard_embedding_init(out_dir, cfg.run.seed)
-
-
-def _standard_embedding_init(model_dir: str, seed: int) -> str:
-    """Re-draw the (tied) embedding at the config's ``initializer_range``.
-
-    ``build_tiny_model`` draws embeddings with std 1 so that an *untrained* test model
-    samples structured text; with tied output weights that makes the first logits huge
-    (answer NLL ~ 100) and costs SFT most of its short budget. A model meant for
-    training gets the usual small init instead.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    std = float(getattr(model.config, "initializer_range", 0.02))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb.copy_(torch.randn(emb.shape, generator=gen) * std)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return model_dir
+    return out_dir
 
 
 def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,

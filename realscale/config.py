@@ -79,7 +79,7 @@ class ModelConfig:
 
     path: str = knob("tiny-qwen2", "HF model directory (config.json + safetensors), a built-in tiny model name, or 'sft': the warm start of the sft section (trained first if <run dir>/sft is missing).")
     dtype: str = knob("float32", "Parameter dtype for training: float32, bfloat16 or float16.")
-    tokenizer: str = knob("", "Tokenizer directory; empty means the model directory.")
+    tokenizer: str = knob("", "Tokenizer directory for the RL rollouts and the held-out evaluation (prompts in, answers out); empty: the model directory's. The SFT warm start and the generation servers use the model directory's own tokenizer files.")
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -158,7 +158,7 @@ class AlgoConfig:
     behav_imp_weight_cap: float = knob(5.0, "Cap on w = exp(logp_prox - logp_behav) (0: no cap).")
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
-    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model (0: no reference model).")
+    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model; must be 0 until realscale train loads a reference policy.")
     kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
 
     def __post_init__(self) -> None:
@@ -170,6 +170,10 @@ class AlgoConfig:
         _positive("algo", "eps_clip_high", self.eps_clip_high)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip: must be > 1 (or 0 for off), got {self.dual_clip!r}")
+        _positive("algo", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.kl_coef > 0:
+            raise ConfigError(f"algo.kl_coef: {self.kl_coef!r} needs a reference policy, which realscale train "
+                              "does not load yet; set algo.kl_coef=0")
 
 
 @dataclass
@@ -217,7 +221,7 @@ class GenerateConfig:
     pause_mode: str = knob("abort", "How a weight update pauses generation: abort, retract or in_place.")
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
     request_timeout: float = knob(600.0, "Seconds before a generation request is given up and retried.")
-    base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
+    base_port: int = knob(30000, "SGLang servers started by realscale.generate.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
     mem_fraction_static: float = knob(0.8, "SGLang only: fraction of GPU memory for weights + KV cache.")

@@ -47,8 +47,10 @@ class EvalResult:
 
 
 def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: int = 1, temperature: float = 0.0,
-                         max_new_tokens: int = 8, seed: int = 0, max_running: int = 64) -> list[list[str]]:
-    """``samples`` decoded completions per prompt from the embedded generation engine."""
+                         max_new_tokens: int = 8, seed: int = 0, max_running: int = 64,
+                         tokenizer: Any = None) -> list[list[str]]:
+    """``samples`` decoded completions per prompt from the embedded generation engine
+    (decoded with ``tokenizer``; default: the model directory's)."""
     from realscale.generate.engine import Request, SamplingOptions
     from realscale.generate.server import EmbeddedServer
 
@@ -60,7 +62,8 @@ def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: i
             for _ in range(samples):
                 opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=temperature)
                 futures.append(server.engine.submit(Request(rid=uuid.uuid4().hex, input_ids=list(ids), params=opts)))
-        texts = [server.tokenizer.decode(f.result().output_ids, skip_special_tokens=True) for f in futures]
+        tok = tokenizer or server.tokenizer
+        texts = [tok.decode(f.result().output_ids, skip_special_tokens=True) for f in futures]
     finally:
         server.engine.shutdown()
         server.pool.shutdown(wait=False)
@@ -68,8 +71,10 @@ def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: i
 
 
 def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, temperature: float = 0.0,
-             max_new_tokens: int = 8, seed: int = 0, keep_examples: int = 8) -> EvalResult:
-    """Score ``model_dir`` on ``problems`` (greedy by default)."""
+             max_new_tokens: int = 8, seed: int = 0, keep_examples: int = 8, tokenizer_dir: str = "") -> EvalResult:
+    """Score ``model_dir`` on ``problems`` (greedy by default); prompts are encoded and
+    answers decoded with the tokenizer in ``tokenizer_dir`` (``model.tokenizer``; empty:
+    the model directory's)."""
     from transformers import AutoTokenizer
 
     from realscale.models.tiny import resolve_model_path
@@ -80,10 +85,10 @@ def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, tempe
         raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
     start = time.perf_counter()
     model_dir = resolve_model_path(model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
     prompts = [prompt_ids(tok, p.prompt) for p in problems]
     outs = generate_completions(model_dir, prompts, samples=samples, temperature=temperature,
-                                max_new_tokens=max_new_tokens, seed=seed)
+                                max_new_tokens=max_new_tokens, seed=seed, tokenizer=tok)
     verdicts = [[is_correct(text, p.answer) for text in group] for p, group in zip(problems, outs)]
     flat = [v for group in verdicts for v in group]
     examples = [{"prompt": p.prompt, "answer": p.answer, "completions": group}
@@ -111,7 +116,8 @@ def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:
     from realscale.tasks.arith import task_from_config
 
     problems = task_from_config(cfg.data).split("heldout")
-    greedy = evaluate(model_dir, problems, max_new_tokens=cfg.generate.max_new_tokens)
+    tok = cfg.model.tokenizer
+    greedy = evaluate(model_dir, problems, max_new_tokens=cfg.generate.max_new_tokens, tokenizer_dir=tok)
     sampled = evaluate(model_dir, problems, samples=4, temperature=cfg.generate.temperature,
-                       max_new_tokens=cfg.generate.max_new_tokens, seed=cfg.run.seed)
+                       max_new_tokens=cfg.generate.max_new_tokens, seed=cfg.run.seed, tokenizer_dir=tok)
     return {"greedy": greedy.accuracy, "sampled": sampled.accuracy, "pass@4": sampled.pass_at_k}

@@ -147,10 +147,10 @@ class TrainConfig:
 class AlgoConfig:
     """The RL objective: advantages, the decoupled PPO loss, KL."""
 
-    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae.")
+    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae (PPO with a critic: see the critic section).")
     group_std_norm: bool = knob(True, "GRPO: divide group-centred rewards by the group std.")
-    gamma: float = knob(1.0, "GAE discount.")
-    lam: float = knob(1.0, "GAE lambda.")
+    gamma: float = knob(1.0, "GAE discount (adv_estimator: gae), in [0, 1].")
+    lam: float = knob(1.0, "GAE lambda (adv_estimator: gae), in [0, 1]: 1 is Monte-Carlo returns minus values, 0 one-step TD.")
     eps_clip: float = knob(0.2, "PPO clip epsilon (lower side).")
     eps_clip_high: float = knob(0.2, "PPO clip epsilon of the upper side (asymmetric clip; equal to eps_clip for symmetric).")
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 bounding the loss for negative advantages (0: off).")
@@ -170,10 +170,28 @@ class AlgoConfig:
         _positive("algo", "eps_clip_high", self.eps_clip_high)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip: must be > 1 (or 0 for off), got {self.dual_clip!r}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"algo.{name}: must lie in [0, 1], got {getattr(self, name)!r}")
         _positive("algo", "kl_coef", self.kl_coef, allow_zero=True)
         if self.kl_coef > 0:
             raise ConfigError(f"algo.kl_coef: {self.kl_coef!r} needs a reference policy, which realscale train "
                               "does not load yet; set algo.kl_coef=0")
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with GAE (``algo.adv_estimator: gae``): the policy's
+    architecture with a scalar head, initialised from the policy's starting weights,
+    trained beside the actor on the same ranks and layout with its own optimizer
+    (the ``optim`` settings except the learning rate)."""
+
+    lr: float = knob(0.0, "Critic peak learning rate (0: optim.lr).")
+    value_clip: float = knob(0.2, "Clipped value loss (PPO2): a value may move at most this far from the value before the step before the loss stops pulling it (0: plain squared error).")
+
+    def __post_init__(self) -> None:
+        _positive("critic", "lr", self.lr, allow_zero=True)
+        _positive("critic", "value_clip", self.value_clip, allow_zero=True)
 
 
 @dataclass
@@ -353,6 +371,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -7,9 +7,11 @@ keeps prompts in flight on the generation servers within the staleness bound η,
 holds the servers' control. Then, each step:
 
 1. **batch** — the driver takes B accepted groups (waiting for rollouts if needed) and
-   packs them with GRPO/LOO advantages; every rank receives the batch;
+   packs them with GRPO/LOO advantages (GAE: token rewards); every rank receives the batch;
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
-   data-parallel rank on its token-balanced share;
+   data-parallel rank on its token-balanced share; with GAE the critic
+   (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
+   value-loss steps after;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -34,7 +36,8 @@ from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPubl
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
-from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
+from realscale.train.checkpoint import critic_dir, latest_checkpoint, record_trained, save_checkpoint, truncate_logs
+from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
 
 
@@ -46,12 +49,17 @@ class Trainer:
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+        self.critic: CriticEngine | None = None
+        if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
+            self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
         if self.resumed_from:
             extra = self.engine.load(self.resumed_from)
             self.step, self.version = int(extra["step"]), int(extra["version"])
+            if self.critic is not None:
+                self.critic.load(critic_dir(self.resumed_from))
         self.controller: Any = None
         self.logger: Any = None
         control = None
@@ -102,7 +110,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch, stats = self._next_batch()
         t_wait = time.perf_counter() - t0
-        stats.update(update_policy(self.engine, batch, self.cfg))
+        stats.update(update_policy(self.engine, batch, self.cfg, self.critic))
         t_train = time.perf_counter() - t0 - t_wait
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))
@@ -151,7 +159,7 @@ class Trainer:
         extra: dict[str, Any] = {"step": self.step, "version": self.version}
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
-        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver)
+        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver, critic=self.critic)
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

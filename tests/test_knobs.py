@@ -81,6 +81,9 @@ CONSUMERS: dict[str, str] = {
     "algo.loss_agg": "realscale.algo.losses:loss_kwargs_from_config",
     "algo.kl_coef": "realscale.algo.losses:loss_kwargs_from_config",
     "algo.kl_estimator": "realscale.algo.losses:loss_kwargs_from_config",
+    # critic
+    "critic.lr": "realscale.train.critic:critic_engine_config",
+    "critic.value_clip": "realscale.train.critic:value_loss_fn",
     # rollout
     "rollout.batch_size": "realscale.rollout.controller:RolloutController.from_config",
     "rollout.n_samples": "realscale.rollout.workflows:workflow_from_config",
@@ -169,10 +172,6 @@ ENTRY_POINTS: dict[str, str] = {
 }
 
 
-# Knobs whose consumer is being written (the critic, issue 21 item 2): expected to fail until it lands.
-PENDING = {"algo.gamma", "algo.lam"}
-
-
 def _resolve(target: str) -> tuple[object, str]:
     module_name, qualname = target.split(":")
     obj: object = importlib.import_module(module_name)
@@ -203,8 +202,6 @@ def test_every_knob_has_a_registered_consumer() -> None:
 
 @pytest.mark.parametrize("key", sorted(CONSUMERS))
 def test_consumer_reads_the_knob(key: str) -> None:
-    if key in PENDING:
-        pytest.xfail(f"{key}: consumer not written yet")
     fn, module_name = _resolve(CONSUMERS[key])
     qualname = CONSUMERS[key].split(":")[1]
     assert not qualname.endswith("__post_init__"), f"{key}: validation is not a consumer"
@@ -216,8 +213,6 @@ def test_consumer_reads_the_knob(key: str) -> None:
 def test_consumer_is_live(target: str) -> None:
     """Some other place in the package refers to the consumer (by its own name or, for a
     method, its class's), so the knob reaches a run rather than dead code."""
-    if any(CONSUMERS[k] == target for k in PENDING):
-        pytest.xfail(f"{target}: not written yet")
     if target in ENTRY_POINTS:
         return
     module_name, qualname = target.split(":")

@@ -1,4 +1,5 @@
-"""RL math as pure tensor functions: advantages, GAE, the (decoupled) PPO loss, KL, filtering.
+"""RL math as pure tensor functions: advantages, GAE, the (decoupled) PPO loss, the clipped
+value loss, KL, filtering.
 
 Everything here works on *packed* tensors: the tokens of many sequences concatenated
 into one 1-D tensor, with ``cu_seqlens`` (int64, B+1 offsets) marking where each
@@ -12,6 +13,7 @@ from realscale.algo.filtering import FilterResult, dynamic_sampling_filter
 from realscale.algo.gae import gae, gae_reference, gae_torch
 from realscale.algo.kl import kl_penalty
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
+from realscale.algo.value import value_loss
 
 __all__ = [
     "FilterResult",
@@ -26,4 +28,5 @@ __all__ = [
     "loss_kwargs_from_config",
     "loss_normalizer",
     "ppo_loss",
+    "value_loss",
 ]

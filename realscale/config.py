@@ -147,8 +147,9 @@ class TrainConfig:
 class AlgoConfig:
     """The RL objective: advantages, the decoupled PPO loss, KL."""
 
-    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae (PPO with a critic: see the critic section).")
+    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out), reinforce (the sequence reward itself, no baseline) or gae (PPO with a critic: see the critic section).")
     group_std_norm: bool = knob(True, "GRPO: divide group-centred rewards by the group std.")
+    normalize_adv_over_batch: bool = knob(False, "Normalise advantages to mean 0, std 1 over every trained token of the step's global batch (all groups and data-parallel ranks), after the estimator. With adv_estimator: reinforce this is the AReaL paper's critic-free PPO.")
     gamma: float = knob(1.0, "GAE discount (adv_estimator: gae), in [0, 1].")
     lam: float = knob(1.0, "GAE lambda (adv_estimator: gae), in [0, 1]: 1 is Monte-Carlo returns minus values, 0 one-step TD.")
     eps_clip: float = knob(0.2, "PPO clip epsilon (lower side).")
@@ -162,7 +163,7 @@ class AlgoConfig:
     kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
 
     def __post_init__(self) -> None:
-        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "gae"))
+        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "reinforce", "gae"))
         _one_of("algo", "behav_imp_weight_mode", self.behav_imp_weight_mode, ("mask", "clamp"))
         _one_of("algo", "loss_agg", self.loss_agg, ("token_mean", "seq_mean_token_mean"))
         _one_of("algo", "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
@@ -264,7 +265,7 @@ class DataConfig:
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
-    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad); the rest answer directly (a bare number).")
+    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad; with rollout.workflow: multi_turn, demonstrations that call the calculator first); the rest answer directly (a bare number).")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
     task_min_steps: int = knob(2, "task:long_tail sources: fewest scratchpad steps of a problem.")
     task_max_steps: int = knob(64, "task:long_tail sources: most scratchpad steps of a problem (at most 99).")
@@ -378,6 +379,14 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        # Settings that only make sense together (each section checked its own above).
+        if self.rollout.workflow == "multi_turn" and self.model.path == "sft" \
+                and self.data.source != "task:arith":
+            raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
+                              f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
+                              "or a model.path of your own")
 
 
 # --------------------------------------------------------------------------- schema walking

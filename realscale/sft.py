@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 from realscale.config import Config, ConfigError
-from realscale.tasks.arith import ArithTask, Problem, encode_example, task_from_config
+from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
 MODEL_FAMILY = "qwen2"
 # The packed micro-batch budget: attention on CPU is dense over a packed row, so short
@@ -73,18 +73,23 @@ def build_base_model(cfg: Config, out_dir: str) -> str:
 
 
 def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,
-            worked_fraction: float = 0.0) -> Iterator[Any]:
+            worked_fraction: float = 0.0, tool: bool = False) -> Iterator[Any]:
     """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
     repeated within an epoch. Each drawn example is answered worked out (column by column)
     with probability ``worked_fraction``, else directly — drawn per use, so every problem
-    is seen in both styles and the model learns the mixture, not a style per problem."""
+    is seen in both styles and the model learns the mixture, not a style per problem.
+    ``tool``: multi-turn demonstrations for the calculator environment instead, "worked"
+    meaning that the answer calls the calculator first (:func:`encode_tool_example`)."""
     import numpy as np
 
     from realscale.train.batch import PackedBatch
 
     if not problems:
         raise ValueError("sft: the training split is empty")
-    encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
+    if tool:
+        encoded = [(encode_tool_example(tokenizer, p, False), encode_tool_example(tokenizer, p)) for p in problems]
+    else:
+        encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
     rng = np.random.default_rng(seed)
     style = np.random.default_rng(seed + 1)  # its own stream: fraction 0 keeps the old batches
     order: list[int] = []
@@ -126,7 +131,8 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
     losses = []
     start = time.perf_counter()
     for step, batch in enumerate(batches(tok, train, s.batch_size, s.steps, cfg.run.seed,
-                                                   cfg.data.task_worked_fraction), start=1):
+                                                   cfg.data.task_worked_fraction,
+                                                   tool=cfg.rollout.workflow == "multi_turn"), start=1):
         stats = engine.train_step(batch, nll_loss)
         losses.append(stats["loss"])
         if step == 1 or step % 25 == 0 or step == s.steps:
@@ -165,7 +171,8 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
         from realscale.eval import evaluate, write_result
 
         heldout = task.split("heldout")[: cfg.sft.eval_size]
-        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens)
+        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens,
+                      max_turns=cfg.rollout.max_turns if cfg.rollout.workflow == "multi_turn" else 0)
         write_result(ev, os.path.join(out_dir, "eval.json"))
         print(f"sft held-out: {ev.summary()}", flush=True)
         accuracy = ev.accuracy
@@ -198,10 +205,12 @@ def prepare_policy_model(cfg: Config, out_dir: str) -> str:
 
 def warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """What a warm start depends on: the sft section (less where it goes and its own
-    evaluation), the data section's task knobs and the seed."""
+    evaluation), the data section's task knobs, the seed and the workflow (multi-turn
+    demonstrations call the calculator)."""
     sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
     data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k in ("source", "size")}
-    return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
+    rollout = {"workflow": cfg_dict.get("rollout", {}).get("workflow", "single_turn")}
+    return {"sft": sft, "data": data, "rollout": rollout, "seed": cfg_dict["run"]["seed"]}
 
 
 def check_warm_start(cfg: Config, target: str) -> None:
@@ -213,7 +222,7 @@ def check_warm_start(cfg: Config, target: str) -> None:
         return  # made by hand (or an older version): trust the user
     saved = OmegaConf.to_container(OmegaConf.load(saved_path))
     want, have = warm_start_recipe(asdict(cfg)), warm_start_recipe(saved)
-    diff = [f"{sec}.{k}" for sec in ("sft", "data") for k in want[sec] if want[sec][k] != have[sec].get(k)]
+    diff = [f"{sec}.{k}" for sec in ("sft", "data", "rollout") for k in want[sec] if want[sec][k] != have[sec].get(k)]
     if want["seed"] != have["seed"]:
         diff.append("run.seed")
     if diff:

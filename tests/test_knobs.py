@@ -70,6 +70,7 @@ CONSUMERS: dict[str, str] = {
     # algo
     "algo.adv_estimator": "realscale.train.actor:group_advantages",
     "algo.group_std_norm": "realscale.train.actor:group_advantages",
+    "algo.normalize_adv_over_batch": "realscale.train.actor:update_policy",
     "algo.gamma": "realscale.train.critic:gae_advantages",
     "algo.lam": "realscale.train.critic:gae_advantages",
     "algo.eps_clip": "realscale.algo.losses:loss_kwargs_from_config",

@@ -70,8 +70,9 @@ def structured_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 
 
 
 def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0, critic_lr: float = 1e-3) -> dict[str, Any]:
-    """``steps`` PPO-with-GAE updates (actor and critic) on one structured batch: the
-    critic's value loss and values after each step, and the first step's advantages."""
+    """``steps`` PPO-with-GAE updates (actor and critic; advantages normalised over the
+    global batch) on one structured batch: the critic's value loss and values after each
+    step, the policy's log-probs after each step, and the first step's advantages."""
     import torch.distributed as dist
 
     from realscale.config import load_config
@@ -81,7 +82,7 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
 
     cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-4", "train.mini_batches=1",
                              "train.max_tokens_per_micro_batch=40", "algo.adv_estimator=gae", f"critic.lr={critic_lr}",
-                             f"algo.lam={lam}"])
+                             f"algo.lam={lam}", "algo.normalize_adv_over_batch=true"])
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
     critic = CriticEngine(critic_engine_config(cfg, model_dir))
     batch = None
@@ -92,10 +93,12 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
     batch = trainer.broadcast_batch(batch)
     whole = batch.select(list(range(batch.num_seqs)))  # a copy: updates below write into their shares
     gae_advantages(critic, whole, cfg.algo)  # on the whole batch, before any update
-    losses, values = [], []
+    losses, values, policy = [], [], []
     for _ in range(steps):
         losses.append(trainer.update_policy(engine, batch, cfg, critic)["critic/loss"])
         values.append(critic.values(batch))
-    return {"losses": losses, "values": values, "advantages": whole.fields["advantages"],
+        policy.append(engine.logprobs(batch)["logprobs"])
+    return {"losses": losses, "values": values, "policy": policy,
+            "advantages": whole.fields["advantages"],
             "returns": whole.fields["returns"], "rewards": batch.fields["rewards"],
             "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}

@@ -8,7 +8,8 @@ passes a global ``normalizer`` so that per-micro-batch losses add up to the exac
 of the whole batch.
 """
 
-from realscale.algo.advantages import broadcast_to_tokens, grpo_advantages, loo_advantages
+from realscale.algo.advantages import (batch_normalized_advantages, broadcast_to_tokens, grpo_advantages,
+                                       loo_advantages, masked_moments, normalize_by_moments)
 from realscale.algo.filtering import FilterResult, dynamic_sampling_filter
 from realscale.algo.gae import gae, gae_reference, gae_torch
 from realscale.algo.kl import kl_penalty
@@ -17,6 +18,7 @@ from realscale.algo.value import value_loss
 
 __all__ = [
     "FilterResult",
+    "batch_normalized_advantages",
     "broadcast_to_tokens",
     "dynamic_sampling_filter",
     "gae",
@@ -27,6 +29,8 @@ __all__ = [
     "loo_advantages",
     "loss_kwargs_from_config",
     "loss_normalizer",
+    "masked_moments",
+    "normalize_by_moments",
     "ppo_loss",
     "value_loss",
 ]

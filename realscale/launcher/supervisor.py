@@ -106,6 +106,9 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     for kind in ("greedy", "sampled"):
         extra[f"held-out accuracy ({kind})"] = (f"{_pct(acc_start and acc_start[kind])} -> "
                                                 f"{_pct(acc_end and acc_end[kind])}")
+        if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
+            extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
+                                                          f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
     if acc_end is not None:
         from realscale.metrics import MetricsLogger
 

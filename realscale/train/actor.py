@@ -38,6 +38,8 @@ def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "Algo
         return loo_advantages(rewards, cu_groups=cu_groups)
     if algo.adv_estimator == "grpo":
         return grpo_advantages(rewards, cu_groups=cu_groups, std_norm=algo.group_std_norm)
+    if algo.adv_estimator == "reinforce":
+        return rewards.clone()
     if algo.adv_estimator == "gae":  # per token, from the critic's values: see update_policy
         return torch.zeros_like(rewards)
     raise ValueError(f"algo.adv_estimator: unknown estimator {algo.adv_estimator!r}")
@@ -67,7 +69,8 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
     stats = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).float().mean()),
              "rollout/response_len": float(out_lens.mean()), "rollout/response_len_max": float(out_lens.max()),
              "rollout/groups": float(len(groups)), "rollout/trajectories": float(len(trajs)),
-             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs))}
+             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs)),
+             "rollout/turns": sum(t.num_turns for t in trajs) / len(trajs)}
     return batch, stats
 
 
@@ -95,7 +98,7 @@ def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
 
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
-    """The decoupled PPO objective of DESIGN.md as the engine's loss function."""
+    """The decoupled PPO objective (ARCHITECTURE.md, step 2) as the engine's loss function."""
     from realscale.algo.losses import loss_kwargs_from_config, ppo_loss
 
     kwargs = loss_kwargs_from_config(algo)
@@ -125,6 +128,20 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
     return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
 
 
+def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:
+    """Advantages of every share normalised with the global batch's moments (this rank's
+    shares summed, then all-reduced over data-parallel ranks)."""
+    import torch.distributed as dist
+
+    from realscale.algo.advantages import masked_moments, normalize_by_moments
+
+    moments = sum(masked_moments(s.fields["advantages"], s.fields["loss_mask"]) for s in shares)
+    if dp_group is not None:
+        dist.all_reduce(moments, group=dp_group)
+    for s in shares:
+        s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
+
+
 def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
                   critic: "CriticEngine | None" = None) -> dict[str, float]:
     """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
@@ -141,6 +158,8 @@ def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
         if critic is not None:
             gae_advantages(critic, share, cfg.algo)
+    if cfg.algo.normalize_adv_over_batch:
+        normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
     step_stats: dict[str, float] = {}
     for share in shares:

@@ -1,4 +1,4 @@
-"""The Megatron training engine (``TrainEngine`` in DESIGN.md).
+"""The Megatron training engine (the policy's and the critic's; ARCHITECTURE.md, "A run").
 
 One engine for CPU (gloo + :mod:`megatron_patches.cpu`, local layer spec) and GPUs
 (NCCL, the Transformer Engine spec when installed). Every rank of the trainer builds a

@@ -1,5 +1,6 @@
 """The critic of PPO with GAE: token rewards, value loss that falls on a task with
-per-token structure, and one trainer rank equal to two (DP=2, TP=2)."""
+per-token structure, and one trainer rank equal to two (DP=2, TP=2) for the critic and for
+the actor trained on its advantages (normalised over the global batch)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,6 @@ def test_value_loss_falls_and_two_ranks_match_one() -> None:
         two = run_distributed(cases.critic_steps, 2, model, tp, dp, 1, timeout=600)[0]
         assert abs(two["losses"][0] - losses[0]) <= 1e-4 * abs(losses[0]), (tp, dp)
         assert torch.allclose(one["values"][0], two["values"][0], atol=1e-4, rtol=0), (tp, dp)
+        # the actor trained on the same advantages (normalised over the global batch: an
+        # all-reduce across DP ranks): the same policy
+        assert torch.allclose(one["policy"][0], two["policy"][0], atol=1e-4, rtol=0), (tp, dp)

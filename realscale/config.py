@@ -25,8 +25,10 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401 - MISSING is re-exported
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from realscale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A bad config file, key, value or override. ``str()`` is one line for the user."""
 
 

@@ -28,6 +28,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from realscale.errors import UserError
+
 FAMILIES = ("qwen2", "qwen3", "llama")
 
 EOS_TOKEN = "<|endoftext|>"
@@ -54,6 +56,10 @@ BUILTIN: dict[str, dict[str, Any]] = {
 
 # Bump when the built files change in a way a cached copy must not survive.
 _BUILD_FORMAT = 3
+
+
+class ModelNotFoundError(UserError):
+    """A model path that is neither a built-in name nor an HF model directory."""
 
 
 def byte_alphabet() -> list[str]:
@@ -218,7 +224,9 @@ def resolve_model_path(name_or_path: str) -> str:
         return build_atomically(target, build, lambda path: _is_complete(path, name_or_path))
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise ValueError(f"model directory {name_or_path!r} has no config.json")
+            raise ModelNotFoundError(f"model directory {name_or_path!r} has no config.json: put the HF model's "
+                                     "files there (config.json, *.safetensors, tokenizer)")
         return name_or_path
-    raise ValueError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
-                     f"({', '.join(BUILTIN)})")
+    raise ModelNotFoundError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
+                             f"({', '.join(BUILTIN)}): download the HF model to that path (e.g. huggingface-cli "
+                             "download <repo> --local-dir <path>) or set model.path")

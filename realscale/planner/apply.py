@@ -27,7 +27,12 @@ def apply_plan(cfg: "Config") -> "Config":
 
     if not os.path.exists(cfg.parallel.plan):
         raise ConfigError(f"parallel.plan: file not found: {cfg.parallel.plan}")
-    plan = Plan.load(cfg.parallel.plan)
+    from realscale.parallel.mesh import LayoutError
+
+    try:
+        plan = Plan.load(cfg.parallel.plan)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel.plan: {cfg.parallel.plan}: {exc}") from None
     if "actor_train" not in plan.roles:
         raise ConfigError(f"parallel.plan: {cfg.parallel.plan} has no actor_train role (roles: {', '.join(plan.roles)})")
     actor = plan.roles["actor_train"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -38,7 +38,12 @@ from realscale.parallel.device import init_distributed
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
 from realscale.train.checkpoint import critic_dir, latest_checkpoint, record_trained, save_checkpoint, truncate_logs
 from realscale.train.critic import CriticEngine, critic_engine_config
+from realscale.train.batch import PackedBatch
 from realscale.train.engine import EngineConfig, MegatronEngine
+
+if TYPE_CHECKING:
+    from realscale.metrics import MetricsLogger
+    from realscale.rollout.controller import RolloutController
 
 
 class Trainer:
@@ -60,15 +65,16 @@ class Trainer:
             self.step, self.version = int(extra["step"]), int(extra["version"])
             if self.critic is not None:
                 self.critic.load(critic_dir(self.resumed_from))
-        self.controller: Any = None
-        self.logger: Any = None
+        self.controller: RolloutController | None = None
+        self.logger: MetricsLogger | None = None
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
             control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls])
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
-    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]) -> tuple[Any, Any]:
+    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
+                      ) -> tuple["RolloutController", "MetricsLogger"]:
         """The rollout controller (paused until the servers hold this run's weights) and
         the metrics logger; on resume, logs are cut back to the checkpoint's step."""
         from realscale.metrics import MetricsLogger
@@ -132,7 +138,7 @@ class Trainer:
         elif self.is_driver:
             self.controller.resume()
 
-    def _next_batch(self) -> tuple[Any, dict[str, float]]:
+    def _next_batch(self) -> tuple[PackedBatch, dict[str, float]]:
         """The driver's next B groups as a packed batch, on every rank."""
         batch, stats = None, {}
         if self.is_driver:

@@ -18,6 +18,7 @@ Validation (``__post_init__``) is not a consumer: refusing a value is not using 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pathlib
@@ -188,6 +189,7 @@ def _reads(fn: object, leaf: str) -> bool:
                or (isinstance(n, ast.Constant) and n.value == leaf) for n in ast.walk(tree))
 
 
+@functools.lru_cache(maxsize=1)
 def _package_sources() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in (ROOT / "realscale").rglob("*.py")}
 

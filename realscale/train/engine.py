@@ -26,12 +26,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from realscale.parallel.device import local_device
 from realscale.train.batch import PackedBatch, block_causal_mask
+
+if TYPE_CHECKING:
+    from realscale.config import Config
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NormalizerFn = Callable[[PackedBatch], torch.Tensor]
@@ -73,7 +76,7 @@ class EngineConfig:
     use_te: bool | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, train: bool = True) -> "EngineConfig":
+    def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
         o = cfg.optim
         return cls(model_path=model_path, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                    sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype, seed=cfg.run.seed,

@@ -20,6 +20,7 @@ def test_token_rewards_sit_on_the_last_trained_token() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)  # three spawned runs of actor + critic
 def test_value_loss_falls_and_two_ranks_match_one() -> None:
     model = resolve_model_path("tiny-qwen2")
     one = run_distributed(cases.critic_steps, 1, model, 1, 1, 6, timeout=600)[0]

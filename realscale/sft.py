@@ -69,7 +69,30 @@ def build_base_model(cfg: Config, out_dir: str) -> str:
     build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
                      seed=cfg.run.seed)
-    return out_dir
+    return _seeded_embedding(out_dir, cfg.run.seed)
+
+
+def _seeded_embedding(model_dir: str, seed: int) -> str:
+    """Re-draw the (tied) embedding at the config's ``initializer_range`` from a generator
+    seeded by ``seed`` alone.
+
+    The draw is the family's (normal, std 0.02) like the rest of the build; doing it from
+    its own generator keeps the warm start, and so the default recipe's measured figures
+    (README.md), independent of how transformers consumes the global RNG while it
+    initialises a model. (The embedding of an earlier build had std 1, which this
+    function was first written to undo.)
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.randn(emb.shape, generator=gen) * std)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
 
 
 def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,

@@ -35,6 +35,7 @@ from realscale.config import Config, config_from_dict
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
+from realscale.rollout.rewards import reward_pool_stats
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
 from realscale.train.checkpoint import critic_dir, latest_checkpoint, record_trained, save_checkpoint, truncate_logs
 from realscale.train.critic import CriticEngine, critic_engine_config
@@ -70,7 +71,7 @@ class Trainer:
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls])
+            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls])
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
@@ -155,6 +156,7 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+        stats.update(reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
         self.logger.log(self.step, stats)
 
     def _checkpoint_due(self) -> bool:

@@ -110,6 +110,10 @@ CONSUMERS: dict[str, str] = {
     "generate.request_timeout": "realscale.rollout.controller:RolloutController.from_config",
     "generate.base_port": "realscale.generate.sglang_launcher:launch_sglang",
     "generate.max_running_requests": "realscale.launcher.local:LocalBackend.start_servers",
+    "generate.tp": "realscale.generate.vllm_server:vllm_command",
+    "generate.cpu_threads": "realscale.generate.vllm_server:vllm_env",
+    "generate.vllm_kv_cache_mb": "realscale.generate.vllm_server:vllm_command",
+    "generate.vllm_enforce_eager": "realscale.generate.vllm_server:vllm_command",
     "generate.context_length": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.mem_fraction_static": "realscale.launcher.roles:_exec_sglang",
     # data
@@ -132,6 +136,10 @@ CONSUMERS: dict[str, str] = {
     "reward.max_answer_chars": "realscale.reward.math_reward:MathReward.from_config",
     "reward.code_concurrency": "realscale.reward.code_reward:CodeReward.from_config",
     "reward.code_memory_mb": "realscale.reward.code_reward:CodeReward.from_config",
+    "reward.code_disk_mb": "realscale.reward.code_reward:CodeReward.from_config",
+    "reward.code_python": "realscale.reward.code_reward:CodeReward.from_config",
+    "reward.code_sandbox_allow_weaker": "realscale.reward.code_reward:CodeReward.from_config",
+    "reward.code_uid_base": "realscale.reward.code_reward:CodeReward.from_config",
     # sft
     "sft.base_model": "realscale.sft:build_base_model",
     "sft.hidden_size": "realscale.sft:build_base_model",

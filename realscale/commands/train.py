@@ -87,6 +87,13 @@ def preflight(cfg: "Config") -> None:
     _check_hardware(cfg)
     if cfg.generate.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         raise UserError("generate.backend=sglang: SGLang is not installed (pip install -e \".[gpu]\")")
+    if cfg.generate.backend == "vllm":
+        from realscale.generate.vllm_server import require_vllm
+
+        try:
+            require_vllm()
+        except RuntimeError as exc:
+            raise UserError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

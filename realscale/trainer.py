@@ -37,9 +37,9 @@ from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
 from realscale.rollout.rewards import reward_pool_stats
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
+from realscale.train.batch import PackedBatch
 from realscale.train.checkpoint import critic_dir, latest_checkpoint, record_trained, save_checkpoint, truncate_logs
 from realscale.train.critic import CriticEngine, critic_engine_config
-from realscale.train.batch import PackedBatch
 from realscale.train.engine import EngineConfig, MegatronEngine
 
 if TYPE_CHECKING:

@@ -4,8 +4,9 @@ Subcommands are listed in :data:`COMMANDS` as ``name -> (module, one-line help)`
 module is imported only when its subcommand runs, so ``realscale --help`` never imports
 torch. Each module defines ``add_arguments(parser)`` and ``run(args) -> int``.
 
-A :class:`~realscale.config.ConfigError` (or any other ``UsageError``) is printed as one
-line, ``realscale: error: ...``, with exit code 2 and no traceback.
+A :class:`~realscale.errors.UserError` (a bad config or command line, a missing model or
+dataset, a recipe for hardware that is not there, a bad plan) is printed as one line,
+``realscale: error: ...``, with exit code 2 and no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from realscale.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("realscale.commands.train", "run fully asynchronous RL (default: the tiny CPU recipe, embedded servers)"),
@@ -28,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A user mistake that deserves a one-line message rather than a traceback."""
 
 
@@ -69,11 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"realscale {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    from realscale.config import ConfigError
-
     try:
         return int(module.run(args) or 0)
-    except (ConfigError, UsageError) as exc:
+    except UserError as exc:  # config, usage, missing model or data, absent hardware, bad plan
         print(f"realscale: error: {exc}", file=sys.stderr)
         return 2
 

@@ -25,8 +25,10 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401 - MISSING is re-exported
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from realscale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A bad config file, key, value or override. ``str()`` is one line for the user."""
 
 
@@ -82,7 +84,7 @@ class ModelConfig:
 
     path: str = knob("tiny-qwen2", "HF model directory (config.json + safetensors), a built-in tiny model name, or 'sft': the warm start of the sft section (trained first if <run dir>/sft is missing).")
     dtype: str = knob("float32", "Parameter dtype for training: float32, bfloat16 or float16.")
-    tokenizer: str = knob("", "Tokenizer directory; empty means the model directory.")
+    tokenizer: str = knob("", "Tokenizer directory for the RL rollouts and the held-out evaluation (prompts in, answers out); empty: the model directory's. The SFT warm start and the generation servers use the model directory's own tokenizer files.")
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -150,10 +152,11 @@ class TrainConfig:
 class AlgoConfig:
     """The RL objective: advantages, the decoupled PPO loss, KL."""
 
-    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae.")
+    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out), reinforce (the sequence reward itself, no baseline) or gae (PPO with a critic: see the critic section).")
     group_std_norm: bool = knob(True, "GRPO: divide group-centred rewards by the group std.")
-    gamma: float = knob(1.0, "GAE discount.")
-    lam: float = knob(1.0, "GAE lambda.")
+    normalize_adv_over_batch: bool = knob(False, "Normalise advantages to mean 0, std 1 over every trained token of the step's global batch (all groups and data-parallel ranks), after the estimator. With adv_estimator: reinforce this is the AReaL paper's critic-free PPO.")
+    gamma: float = knob(1.0, "GAE discount (adv_estimator: gae), in [0, 1].")
+    lam: float = knob(1.0, "GAE lambda (adv_estimator: gae), in [0, 1]: 1 is Monte-Carlo returns minus values, 0 one-step TD.")
     eps_clip: float = knob(0.2, "PPO clip epsilon (lower side).")
     eps_clip_high: float = knob(0.2, "PPO clip epsilon of the upper side (asymmetric clip; equal to eps_clip for symmetric).")
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 bounding the loss for negative advantages (0: off).")
@@ -161,11 +164,11 @@ class AlgoConfig:
     behav_imp_weight_cap: float = knob(5.0, "Cap on w = exp(logp_prox - logp_behav) (0: no cap).")
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
-    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model (0: no reference model).")
+    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model; must be 0 until realscale train loads a reference policy.")
     kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
 
     def __post_init__(self) -> None:
-        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "gae"))
+        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "reinforce", "gae"))
         _one_of("algo", "behav_imp_weight_mode", self.behav_imp_weight_mode, ("mask", "clamp"))
         _one_of("algo", "loss_agg", self.loss_agg, ("token_mean", "seq_mean_token_mean"))
         _one_of("algo", "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
@@ -173,6 +176,28 @@ class AlgoConfig:
         _positive("algo", "eps_clip_high", self.eps_clip_high)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip: must be > 1 (or 0 for off), got {self.dual_clip!r}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"algo.{name}: must lie in [0, 1], got {getattr(self, name)!r}")
+        _positive("algo", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.kl_coef > 0:
+            raise ConfigError(f"algo.kl_coef: {self.kl_coef!r} needs a reference policy, which realscale train "
+                              "does not load yet; set algo.kl_coef=0")
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with GAE (``algo.adv_estimator: gae``): the policy's
+    architecture with a scalar head, initialised from the policy's starting weights,
+    trained beside the actor on the same ranks and layout with its own optimizer
+    (the ``optim`` settings except the learning rate)."""
+
+    lr: float = knob(0.0, "Critic peak learning rate (0: optim.lr).")
+    value_clip: float = knob(0.2, "Clipped value loss (PPO2): a value may move at most this far from the value before the step before the loss stops pulling it (0: plain squared error).")
+
+    def __post_init__(self) -> None:
+        _positive("critic", "lr", self.lr, allow_zero=True)
+        _positive("critic", "value_clip", self.value_clip, allow_zero=True)
 
 
 @dataclass
@@ -222,7 +247,7 @@ class GenerateConfig:
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
     request_timeout: float = knob(0.0, "Seconds a generation request may run before it is aborted on its server (its partial output kept) and resent. 0: auto, from the request's token budget and the decode rate measured on this run (timeout_slack times the expected time; none until a first answer was measured); -1: never; > 0: fixed. The trainer's wait for a batch follows from it.")
     timeout_slack: float = knob(4.0, "Auto request timeout: this many times the time a request's token budget takes at the slowest recently measured decode rate.")
-    base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
+    base_port: int = knob(30000, "SGLang servers started by realscale.generate.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
     mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
@@ -261,7 +286,7 @@ class DataConfig:
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
-    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad); the rest answer directly (a bare number).")
+    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad; with rollout.workflow: multi_turn, demonstrations that call the calculator first); the rest answer directly (a bare number).")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
     task_min_steps: int = knob(2, "task:long_tail sources: fewest scratchpad steps of a problem.")
     task_max_steps: int = knob(64, "task:long_tail sources: most scratchpad steps of a problem (at most 99).")
@@ -420,6 +445,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -427,6 +453,14 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        # Settings that only make sense together (each section checked its own above).
+        if self.rollout.workflow == "multi_turn" and self.model.path == "sft" \
+                and self.data.source != "task:arith":
+            raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
+                              f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
+                              "or a model.path of your own")
 
 
 # --------------------------------------------------------------------------- schema walking

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 from realscale.config import Config, ConfigError
-from realscale.tasks.arith import ArithTask, Problem, encode_example, task_from_config
+from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
 MODEL_FAMILY = "qwen2"
 # The packed micro-batch budget: attention on CPU is dense over a packed row, so short
@@ -82,16 +82,18 @@ def build_base_model(cfg: Config, out_dir: str) -> str:
     build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
                      seed=cfg.run.seed)
-    return _standard_embedding_init(out_dir, cfg.run.seed)
+    return _seeded_embedding(out_dir, cfg.run.seed)
 
 
-def _standard_embedding_init(model_dir: str, seed: int) -> str:
-    """Re-draw the (tied) embedding at the config's ``initializer_range``.
+def _seeded_embedding(model_dir: str, seed: int) -> str:
+    """Re-draw the (tied) embedding at the config's ``initializer_range`` from a generator
+    seeded by ``seed`` alone.
 
-    ``build_tiny_model`` draws embeddings with std 1 so that an *untrained* test model
-    samples structured text; with tied output weights that makes the first logits huge
-    (answer NLL ~ 100) and costs SFT most of its short budget. A model meant for
-    training gets the usual small init instead.
+    The draw is the family's (normal, std 0.02) like the rest of the build; doing it from
+    its own generator keeps the warm start, and so the default recipe's measured figures
+    (README.md), independent of how transformers consumes the global RNG while it
+    initialises a model. (The embedding of an earlier build had std 1, which this
+    function was first written to undo.)
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -107,18 +109,23 @@ def _standard_embedding_init(model_dir: str, seed: int) -> str:
 
 
 def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,
-            worked_fraction: float = 0.0) -> Iterator[Any]:
+            worked_fraction: float = 0.0, tool: bool = False) -> Iterator[Any]:
     """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
     repeated within an epoch. Each drawn example is answered worked out (column by column)
     with probability ``worked_fraction``, else directly — drawn per use, so every problem
-    is seen in both styles and the model learns the mixture, not a style per problem."""
+    is seen in both styles and the model learns the mixture, not a style per problem.
+    ``tool``: multi-turn demonstrations for the calculator environment instead, "worked"
+    meaning that the answer calls the calculator first (:func:`encode_tool_example`)."""
     import numpy as np
 
     from realscale.train.batch import PackedBatch
 
     if not problems:
         raise ValueError("sft: the training split is empty")
-    encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
+    if tool:
+        encoded = [(encode_tool_example(tokenizer, p, False), encode_tool_example(tokenizer, p)) for p in problems]
+    else:
+        encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
     style = np.random.default_rng(seed + 1)  # its own stream: fraction 0 keeps the old batches
     for take in epoch_batches(len(encoded), batch_size, steps, seed):
         picked = [encoded[i][int(style.random() < worked_fraction)] for i in take]
@@ -208,8 +215,8 @@ def _batches_for(cfg: Config, tokenizer: Any) -> tuple[Iterator[Any], dict[str, 
         examples, refused = load_demonstrations(s.data, tokenizer, s.max_seq_len)
         return example_batches(examples, s.batch_size, s.steps, cfg.run.seed), dict(refused), len(examples)
     train = task_from_config(cfg.data).split("train")
-    return (batches(tokenizer, train, s.batch_size, s.steps, cfg.run.seed, cfg.data.task_worked_fraction), {},
-            len(train))
+    return (batches(tokenizer, train, s.batch_size, s.steps, cfg.run.seed, cfg.data.task_worked_fraction,
+                    tool=cfg.rollout.workflow == "multi_turn"), {}, len(train))
 
 
 def _copy_chat_template(src: str, dst: str) -> None:
@@ -267,7 +274,8 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
         from realscale.eval import evaluate, write_result
 
         heldout = task.split("heldout")[: cfg.sft.eval_size]
-        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens)
+        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens,
+                      max_turns=cfg.rollout.max_turns if cfg.rollout.workflow == "multi_turn" else 0)
         write_result(ev, os.path.join(out_dir, "eval.json"))
         print(f"sft held-out: {ev.summary()}", flush=True)
         accuracy = ev.accuracy
@@ -299,10 +307,12 @@ def prepare_policy_model(cfg: Config, out_dir: str) -> str:
 
 def warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """What a warm start depends on: the sft section (less where it goes and its own
-    evaluation), the data section's task knobs and the seed."""
+    evaluation), the data section's task knobs, the seed and the workflow (multi-turn
+    demonstrations call the calculator)."""
     sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
     data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k in ("source", "size")}
-    return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
+    rollout = {"workflow": cfg_dict.get("rollout", {}).get("workflow", "single_turn")}
+    return {"sft": sft, "data": data, "rollout": rollout, "seed": cfg_dict["run"]["seed"]}
 
 
 def check_warm_start(cfg: Config, target: str) -> None:
@@ -315,7 +325,7 @@ def check_warm_start(cfg: Config, target: str) -> None:
     saved = OmegaConf.to_container(OmegaConf.load(saved_path))
     want, have = warm_start_recipe(asdict(cfg)), warm_start_recipe(saved)
     default = warm_start_recipe(asdict(Config()))  # keys added since that warm start was made
-    diff = [f"{sec}.{k}" for sec in ("sft", "data") for k in want[sec]
+    diff = [f"{sec}.{k}" for sec in ("sft", "data", "rollout") for k in want[sec]
             if want[sec][k] != have[sec].get(k, default[sec][k])]
     if want["seed"] != have["seed"]:
         diff.append("run.seed")

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from realscale.errors import UserError
+
 log = logging.getLogger(__name__)
 
 GYM_PREFIX = "gym:"
@@ -48,7 +50,7 @@ class PromptSample:
     uid: str = ""  # "<file>:<line>" or "gym:<task>:<index>": stable across runs and ranks
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset source that cannot be used at all (missing file, unknown gym task ...)."""
 
 

@@ -111,8 +111,13 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     extra["disk use"] = (f"{_size(disk['disk/run_bytes'])} (checkpoints {_size(disk['disk/checkpoints_bytes'])}, "
                          f"weight versions {_size(disk['disk/weights_bytes'])}; {_size(disk['disk/free_bytes'])} free)")
     for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
+        if kind.startswith("tool_use_"):
+            continue
         label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
         extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
+        if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
+            extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
+                                                          f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
     if acc_end is not None:
         from realscale.metrics import MetricsLogger
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from realscale.errors import UserError
 
-class BackendError(ValueError):
+
+class BackendError(UserError):
     """A backend that cannot run on this machine."""
 
 

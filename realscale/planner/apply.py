@@ -1,7 +1,9 @@
 """A plan becomes a run: the roles of a plan YAML set the layouts the runtime uses.
 
 ``parallel.plan`` names a plan (``realscale plan ... --out plan.yaml``); :func:`apply_plan`
-copies its ``actor_train`` strategy into ``parallel.dp/tp/pp``. It runs in the supervisor
+copies its ``actor_train`` strategy into ``parallel.dp/tp/pp``. The critic of PPO with GAE
+trains beside the actor (same ranks, same layout), so a plan whose ``critic_train`` role
+sits elsewhere is refused rather than silently ignored. It runs in the supervisor
 before any process starts, so a plan the runtime cannot execute is refused with a
 one-line :class:`~realscale.config.ConfigError`.
 """
@@ -25,10 +27,20 @@ def apply_plan(cfg: "Config") -> "Config":
 
     if not os.path.exists(cfg.parallel.plan):
         raise ConfigError(f"parallel.plan: file not found: {cfg.parallel.plan}")
-    plan = Plan.load(cfg.parallel.plan)
+    from realscale.parallel.mesh import LayoutError
+
+    try:
+        plan = Plan.load(cfg.parallel.plan)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel.plan: {cfg.parallel.plan}: {exc}") from None
     if "actor_train" not in plan.roles:
         raise ConfigError(f"parallel.plan: {cfg.parallel.plan} has no actor_train role (roles: {', '.join(plan.roles)})")
-    s = plan.roles["actor_train"].strategy
+    actor = plan.roles["actor_train"]
+    critic = plan.roles.get("critic_train")
+    if critic is not None and (critic.mesh, critic.strategy) != (actor.mesh, actor.strategy):
+        raise ConfigError(f"parallel.plan: critic_train ({critic.strategy} on {critic.mesh}) must share actor_train's "
+                          f"placement ({actor.strategy} on {actor.mesh}): the critic trains on the actor's ranks")
+    s = actor.strategy
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
     if cfg.parallel.sequence_parallel and s.tp == 1:
         cfg.parallel.sequence_parallel = False  # nothing to split the sequence over

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from realscale.errors import UserError
 
-class HardwareError(ValueError):
+
+class HardwareError(UserError):
     """An unknown GPU name or a malformed profile."""
 
 

@@ -1,7 +1,7 @@
 """Reward functions for rollouts, and the calls that keep them off the event loop.
 
 A reward function is ``fn(prompt, completion, sample) -> float | RewardResult``, sync or
-async (DESIGN.md, "RewardFn"). :func:`call_reward` runs it without blocking the rollout
+async. :func:`call_reward` runs it without blocking the rollout
 event loop (awaiting an async one, a sync one in a thread) and under a timeout: a reward
 that hangs scores 0 with reason ``timeout`` and the episode goes on. A sync function that
 hangs keeps its thread busy (Python cannot kill a thread), so each sync call runs in its

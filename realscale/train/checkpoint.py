@@ -4,6 +4,7 @@ must agree with.
 Layout of a run directory::
 
     checkpoints/step000010/     engine.save(): model + optimizer shards, extra state
+    checkpoints/step000010/critic/   the value model's, the same way (PPO with GAE)
     latest_checkpoint           the path of the newest *complete* checkpoint
     metrics.jsonl               one record per step
     trained_uids.jsonl          which prompts each step trained on
@@ -59,9 +60,10 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 
 def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: dict[str, Any],
-                    is_driver: bool) -> str:
-    """Save model, optimizer and ``extra`` (rank 0's, sent to every rank) after ``step``;
-    move the pointer once the checkpoint is complete. Every trainer rank calls it."""
+                    is_driver: bool, critic: "MegatronEngine | None" = None) -> str:
+    """Save model, optimizer and ``extra`` (rank 0's, sent to every rank) after ``step``
+    (and the critic's, when there is one); move the pointer once the checkpoint is
+    complete. Every trainer rank calls it."""
     import torch.distributed as dist
 
     ckpt = os.path.join(out_dir, "checkpoints", checkpoint_name(step))
@@ -70,6 +72,8 @@ def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: di
         dist.broadcast_object_list(holder, src=0)
     try:
         engine.save(ckpt, extra=holder[0])
+        if critic is not None:
+            critic.save(critic_dir(ckpt))
         if is_driver:
             _atomic_write(os.path.join(out_dir, LATEST), ckpt)
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
@@ -84,6 +88,11 @@ def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: di
                               f"({_free_text(out_dir)} on {out_dir}); the previous checkpoint "
                               f"{previous or '(none)'} is intact: run again to resume from it") from exc
     return ckpt
+
+
+def critic_dir(ckpt_dir: str) -> str:
+    """Where a run checkpoint keeps the critic's state."""
+    return os.path.join(ckpt_dir, "critic")
 
 
 def _failure_reason(exc: BaseException, out_dir: str, previous: str | None) -> str:

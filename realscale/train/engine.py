@@ -1,4 +1,4 @@
-"""The Megatron training engine (``TrainEngine`` in DESIGN.md).
+"""The Megatron training engine (the policy's and the critic's; ARCHITECTURE.md, "A run").
 
 One engine for CPU (gloo + :mod:`megatron_patches.cpu`, local layer spec) and GPUs
 (NCCL, the Transformer Engine spec when installed). Every rank of the trainer builds a
@@ -26,12 +26,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from realscale.parallel.device import local_device
 from realscale.train.batch import PackedBatch, block_causal_mask
+
+if TYPE_CHECKING:
+    from realscale.config import Config
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NormalizerFn = Callable[[PackedBatch], torch.Tensor]
@@ -73,7 +76,7 @@ class EngineConfig:
     use_te: bool | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, train: bool = True) -> "EngineConfig":
+    def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
         o = cfg.optim
         return cls(model_path=model_path, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                    sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype, seed=cfg.run.seed,
@@ -89,14 +92,17 @@ class EngineConfig:
 class MegatronEngine:
     """A megatron-core GPT model on this rank's layout, with optimizer and scheduler."""
 
-    def __init__(self, ec: EngineConfig) -> None:
+    def __init__(self, ec: EngineConfig, *, shared_layout: bool = False) -> None:
+        """``shared_layout``: megatron's groups are already up for this layout (a second
+        model on the same ranks, e.g. the critic beside the actor); keep them."""
         from realscale.models.convert import load_hf_weights
         from realscale.models.family import load_arch
         from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
         from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 
         self.ec = ec
-        init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
+        if not shared_layout:
+            init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
         self.ranks = rank_info(ec.sequence_parallel)
         self.arch = load_arch(ec.model_path)
         with open(os.path.join(ec.model_path, "config.json"), encoding="utf-8") as fh:
@@ -227,6 +233,11 @@ class MegatronEngine:
             ent = torch.roll(ent, 1) * keep
         return lp, ent
 
+    def _trained_outputs(self, model: Any, hidden: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        """The per-token tensor :meth:`train_step` hands its loss function: the policy's
+        aligned log-probs (a value model returns its values instead)."""
+        return self._token_logprobs(model, hidden, mb)[0]
+
     def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[list[int]]]:
         """Balanced micro-batches under the token budget, and which sequences each holds."""
         from realscale.data.packing import pack_micro_batches
@@ -257,23 +268,32 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ public API
 
-    @torch.no_grad()
     def logprobs(self, batch: PackedBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) of ``batch`` under the current weights, on
         every rank of this model replica."""
+        def outputs(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> dict[str, torch.Tensor]:
+            lp, ent = self._token_logprobs(model, hidden, mb, with_entropy)
+            return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
+
+        return self.forward_tokens(batch, outputs, ["logprobs"] + (["entropy"] if with_entropy else []))
+
+    @torch.no_grad()
+    def forward_tokens(self, batch: PackedBatch, outputs: Callable[[Any, torch.Tensor, PackedBatch],
+                                                                    dict[str, torch.Tensor]],
+                       keys: list[str]) -> dict[str, torch.Tensor]:
+        """Forward-only pass: ``outputs(model, final hidden, micro-batch)`` on the last stage
+        gives per-token tensors named ``keys``; returned in the batch's token order (fp32,
+        CPU) on every rank of this model replica."""
         self.module.eval()
         mbs, plan = self._micro_batches(batch)
 
         def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-            lp, ent = self._token_logprobs(model, hidden, mb, with_entropy)
-            out = {"logprobs": lp.float().cpu()}
-            if ent is not None:
-                out["entropy"] = ent.float().cpu()
-            return torch.zeros((), device=lp.device), out
+            out = {k: v.float().cpu() for k, v in outputs(model, hidden, mb).items()}
+            return torch.zeros((), device=hidden.device), out
 
         results = self._run_schedule(mbs, True, loss_of)
         out = {}
-        for key in ["logprobs"] + (["entropy"] if with_entropy else []):
+        for key in keys:
             if self.ranks.is_last_stage:
                 packed = self._unpermute(batch, plan, [r[key] for r in results])
             else:
@@ -353,7 +373,7 @@ class MegatronEngine:
         scale = len(mbs) * self.ranks.dp  # undo megatron's 1/num_microbatches and DDP's 1/dp
 
         def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-            lp, _ = self._token_logprobs(model, hidden, mb)
+            lp = self._trained_outputs(model, hidden, mb)
             loss, stats = loss_fn(lp, mb, normalizer.to(lp.device))
             reported = {k: v.detach().float().cpu() for k, v in stats.items()}
             reported["loss"] = loss.detach().float().cpu()

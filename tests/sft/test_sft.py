@@ -12,7 +12,7 @@ import torch
 from realscale.config import load_config
 from realscale.tasks.arith import encode_example, is_correct, prompt_ids, task_from_config
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]  # SFT runs
 
 OVERRIDES = ["sft.hidden_size=32", "sft.num_layers=1", "sft.num_heads=2", "sft.num_kv_heads=1",
              "sft.intermediate_size=64", "sft.lr=0.01", "sft.steps=12", "sft.batch_size=16", "sft.warmup_steps=2",

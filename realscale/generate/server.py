@@ -8,6 +8,16 @@ Endpoints (SGLang names and bodies; see :mod:`realscale.generate.protocol`):
 ``/get_server_info`` (``/server_info``). Every bad request gets HTTP 400 with
 ``{"error": "..."}``; unknown paths 404 and wrong methods 405, also as JSON.
 
+A server has ``tp`` tensor-parallel ranks (:mod:`realscale.generate.ranks`; this process
+is rank 0). Weight routes run on every rank through ``ranks.call_all``, as SGLang runs
+them on every TP worker: ``/init_weights_update_group`` joins rank ``rank_offset +
+tp_rank`` of the group (so ``world_size`` counts every rank of every server plus the
+sender), ``/update_weights_from_distributed`` receives the broadcast full HF tensors on
+every rank and keeps each rank's shard, ``/update_weights_from_disk`` loads each rank's
+shard. ``GET /realscale/weight_hashes`` (ours, for tests) returns every rank's hash per
+tensor of its flat weight buffer. If a rank dies, ``/health`` answers 503 and, under
+:func:`serve`, the process exits with a log line saying which rank died.
+
 Departures from SGLang, on purpose: ``/health_generate`` answers 200 while the server
 is paused or busy if the scheduler is alive (SGLang would queue its probe behind the
 pause); streaming, ``n > 1``, penalties and grammars are refused with 400.
@@ -16,9 +26,7 @@ pause); streaming, ``n > 1``, penalties and grammars are refused with 400.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
-import glob
 import json
 import logging
 import os
@@ -30,26 +38,17 @@ from aiohttp import web
 
 from realscale.generate import protocol as P
 from realscale.generate.engine import Engine, Request
-from realscale.generate.weight_sync import WeightReceiver
+from realscale.generate.ranks import ServerRanks
 
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "realscale-embedded-0.1"
 
 
-def load_safetensors_dir(path: str) -> list[tuple[str, Any]]:
-    """Every tensor of every ``*.safetensors`` file in ``path``, HF names."""
-    from safetensors.torch import load_file
+def _max_positions(model_dir: str) -> int:
+    from realscale.generate.weights import read_hf_config
 
-    if not os.path.isdir(path):
-        raise ValueError(f"model_path {path!r} is not a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model_path {path!r} holds no *.safetensors files")
-    named: list[tuple[str, Any]] = []
-    for f in files:
-        named.extend(load_file(f).items())
-    return named
+    return int(read_hf_config(model_dir).get("max_position_embeddings", 2048))
 
 
 class EmbeddedServer:
@@ -57,31 +56,39 @@ class EmbeddedServer:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_running: int = 32,
                  context_length: int = 0, weight_version: str = "0", seed: int = 0,
-                 default_max_new_tokens: int = 128) -> None:
+                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1) -> None:
+        """``tp`` ranks (this process and ``tp - 1`` spawned ones, ``threads`` torch
+        threads each; this process's own thread count is the caller's)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from realscale.models.tiny import resolve_model_path
 
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
-        model = model.to(device).eval()
-        max_pos = int(getattr(model.config, "max_position_embeddings", 2048))
-        self.context_length = min(context_length or 2048, max_pos)
-        eos = model.config.eos_token_id
+        max_len = min(context_length or 2048, _max_positions(self.model_path))
+        self.context_length = max_len
+        self.ranks = ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
+                                 max_slots=max_running, max_len=max_len, threads=threads)
+        assert self.ranks.worker is not None
+        self.hf_config = self.ranks.worker.hf_config
+        eos = self.hf_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
-        self.engine = Engine(model, self.tokenizer, max_running=max_running, context_length=self.context_length,
+        self.engine = Engine(self.ranks, self.tokenizer, max_running=max_running, context_length=self.context_length,
                              weight_version=weight_version, seed=seed, eos_token_ids=eos_ids)
-        self.device = torch.device(device)
-        self.receiver = WeightReceiver()
+        self.ranks.on_failure = self._rank_failed
+        self.on_failure: Any = None  # what serve() adds: exit the process
+        self.device = self.ranks.device
         self.default_max_new_tokens = default_max_new_tokens
         self.args = {"model_path": self.model_path, "device": device, "dtype": dtype, "max_running_requests": max_running,
-                     "context_length": self.context_length, "random_seed": seed}
-        # Blocking work (weight rendezvous, receives, disk reads) runs here, off the event loop.
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="realscale-io")
+                     "context_length": self.context_length, "random_seed": seed, "tp_size": tp}
+
+    def _rank_failed(self, reason: str) -> None:
+        self.engine.fail(reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     # ------------------------------------------------------------------ app
 
@@ -97,6 +104,7 @@ class EmbeddedServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_get("/realscale/weight_hashes", self.weight_hashes)
         for method in ("GET", "POST"):
             r.add_route(method, "/flush_cache", self.flush_cache)
         r.add_get("/health", self.health)
@@ -110,13 +118,10 @@ class EmbeddedServer:
 
     async def _cleanup(self, app: web.Application) -> None:
         self.engine.shutdown()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.ranks.shutdown()
 
     async def _engine_call(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
-
-    async def _blocking(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ------------------------------------------------------------------ generation
 
@@ -191,13 +196,18 @@ class EmbeddedServer:
 
     # ------------------------------------------------------------------ weights
 
-    async def _load(self, named: list[tuple[str, Any]], version: str | None, abort_all: bool) -> int:
-        def swap() -> int:
+    async def _on_all_ranks(self, method: str, *args: Any, version: str | None = None,
+                            abort_all: bool = False) -> list[Any]:
+        """``ranks.call_all(method, *args)`` between forward passes; then tag ``version``."""
+        def run() -> list[Any]:
             if abort_all:
                 self.engine.abort(None, "aborted for a weight update")
-            return self.engine.load_weights(named, version)
+            out = self.ranks.call_all(method, *args)
+            if version is not None:
+                self.engine.weight_version = version
+            return out
 
-        return await self._engine_call(swap)
+        return await self._engine_call(run)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         what = "update_weights_from_disk"
@@ -205,12 +215,14 @@ class EmbeddedServer:
         path = P.require(body, "model_path", (str,), what)
         version = P.optional(body, "weight_version", (str, int), what)
         abort_all = P.optional(body, "abort_all_requests", (bool,), what, False)
+        if not os.path.isdir(path):
+            return _failure(f"{what}: model_path {path!r} is not a directory")
         try:
-            named = await self._blocking(load_safetensors_dir, path)
-            n = await self._load(named, None if version is None else str(version), abort_all)
-        except (ValueError, KeyError, OSError) as exc:
+            n = await self._on_all_ranks("load_weights_from_disk", path, abort_all=abort_all,
+                                         version=None if version is None else str(version))
+        except RuntimeError as exc:
             return _failure(f"{what}: {exc}")
-        return web.json_response({"success": True, "message": f"Loaded {n} tensors from {path}; weight version "
+        return web.json_response({"success": True, "message": f"Loaded {n[0]} tensors from {path}; weight version "
                                   f"{self.engine.weight_version}.", "num_paused_requests": 0})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -224,20 +236,22 @@ class EmbeddedServer:
         backend = P.optional(body, "backend", (str,), what, "nccl")
         if backend == "nccl" and self.device.type != "cuda":
             backend = "gloo"  # SGLang's default names NCCL; a CPU server can only speak gloo
-        if not 0 < rank < world:
-            raise P.ProtocolError(f"{what}.rank_offset: must be in [1, world_size={world}), got {rank}")
+        tp = self.ranks.tp
+        if not 0 < rank or rank + tp > world:
+            raise P.ProtocolError(f"{what}.rank_offset: this server's {tp} rank(s) join at rank_offset + tp_rank, "
+                                  f"which must lie in [1, world_size={world}); got rank_offset {rank}")
         try:
-            await self._blocking(self.receiver.init_group, addr, port, rank, world, group, backend, self.device)
-        except (ValueError, RuntimeError) as exc:
+            ranks = await self._on_all_ranks("init_weights_group", addr, port, rank, world, group, backend)
+        except RuntimeError as exc:
             return _failure(f"{what}: {exc}")
-        return web.json_response({"success": True, "message": f"Joined {group!r} as rank {rank} of {world}."})
+        return web.json_response({"success": True, "message": f"Joined {group!r} as rank(s) {ranks} of {world}."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = P.check_object(await _body(request), {"group_name", "rid"}, "destroy_weights_update_group")
         group = P.optional(body, "group_name", (str,), "destroy_weights_update_group", "weight_update_group")
         try:
-            self.receiver.destroy_group(group)
-        except ValueError as exc:
+            await self._on_all_ranks("destroy_weights_group", group)
+        except RuntimeError as exc:
             return _failure(f"destroy_weights_update_group: {exc}")
         return web.json_response({"success": True, "message": f"Destroyed {group!r}."})
 
@@ -256,12 +270,22 @@ class EmbeddedServer:
         version = P.optional(body, "weight_version", (str, int), what)
         abort_all = P.optional(body, "abort_all_requests", (bool,), what, False)
         try:
-            named = await self._blocking(self.receiver.receive, names, dtypes, shapes, group)
-            n = await self._load(named, None if version is None else str(version), abort_all)
-        except (ValueError, KeyError, RuntimeError) as exc:
+            # the version comes with the last bucket (SGLang's convention): the update ends there
+            written = await self._on_all_ranks("receive_weights", names, dtypes, shapes, group, version is not None,
+                                               version=None if version is None else str(version), abort_all=abort_all)
+        except RuntimeError as exc:
             return _failure(f"{what}: {exc}")
-        return web.json_response({"success": True, "message": f"Updated {n} tensors; weight version "
-                                  f"{self.engine.weight_version}."})
+        return web.json_response({"success": True, "message": f"Updated {len(names)} tensors ({written[0]} shards "
+                                  f"written per rank); weight version {self.engine.weight_version}."})
+
+    async def weight_hashes(self, request: web.Request) -> web.Response:
+        """Every rank's hash per tensor of its flat buffer (``realscale.generate.weights``)."""
+        try:
+            hashes = await self._on_all_ranks("weight_hashes")
+        except RuntimeError as exc:
+            return _failure(f"weight_hashes: {exc}")
+        return web.json_response({"tp_size": self.ranks.tp, "weight_version": self.engine.weight_version,
+                                  "ranks": hashes})
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -272,14 +296,21 @@ class EmbeddedServer:
             return _failure("flush_cache: requests are running or waiting; the cache was not flushed")
         return web.Response(text="Cache flushed.\n")
 
-    async def health(self, request: web.Request) -> web.Response:
+    def _unhealthy(self) -> str | None:
+        if self.ranks.failure is not None:
+            return f"tensor-parallel ranks failed: {self.ranks.failure}"
         if not self.engine.alive():
-            return web.json_response({"error": "scheduler thread died"}, status=503)
+            return "scheduler thread died"
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        if (reason := self._unhealthy()) is not None:
+            return web.json_response({"error": reason}, status=503)
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if not self.engine.alive():
-            return web.json_response({"error": "scheduler thread died"}, status=503)
+        if (reason := self._unhealthy()) is not None:
+            return web.json_response({"error": reason}, status=503)
         stats = self.engine.stats()
         if stats["paused"] or stats["num_running_reqs"]:
             return web.Response(status=200)
@@ -292,7 +323,7 @@ class EmbeddedServer:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        cfg = self.engine.model.config
+        cfg = self.hf_config
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
@@ -301,7 +332,7 @@ class EmbeddedServer:
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         return web.json_response({**self.args, **self.engine.stats(), "version": SERVER_VERSION,
-                                  "vocab_size": self.engine.vocab_size})
+                                  "vocab_size": self.engine.vocab_size, "realscale_rank_pids": self.ranks.pids()})
 
 
 async def _body(request: web.Request) -> Any:
@@ -331,10 +362,25 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         raise
 
 
-def serve(server: EmbeddedServer, host: str = "127.0.0.1", port: int = 30000) -> None:
-    """Run until interrupted; prints one line when ready."""
-    web.run_app(server.app(), host=host, port=port, print=None,
-                handle_signals=True, access_log=None)
+def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | None = 30000, sock: Any = None,
+          exit_grace: float = 2.0) -> int:
+    """Run until interrupted (or on ``sock``, a bound socket); returns the exit code: 1
+    when a rank died (the server answers ``/health`` with 503 for ``exit_grace`` seconds,
+    then exits, so launchers and clients route around it), else 0."""
+    import signal
+    import sys
+    import threading
+
+    def exit_soon(reason: str) -> None:
+        print(f"realscale serve: tensor-parallel {reason}; the server is unhealthy and exits", file=sys.stderr,
+              flush=True)
+        threading.Timer(exit_grace, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    server.on_failure = exit_soon
+    if sock is not None:
+        host = port = None
+    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None)
+    return 1 if server.ranks.failure is not None else 0
 
 
 def start_in_thread(server: EmbeddedServer, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Any]:

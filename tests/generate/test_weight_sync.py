@@ -12,6 +12,8 @@ import torch
 from realscale.generate.client import InferenceClient
 from realscale.generate.sampling import token_logprobs
 from realscale.generate.server import EmbeddedServer, start_in_thread
+from realscale.generate.weights import full_megatron_tensors
+from realscale.parallel.reshard_exec import pack_shard
 from realscale.parallel.spawn import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -53,7 +55,7 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
     server = EmbeddedServer("tiny-qwen3", max_running=4, context_length=128)
     url, stop = start_in_thread(server)
     try:
-        before = server.engine.model.model.embed_tokens.weight.clone()
+        before = server.ranks.worker.weights.hashes()
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         proc = mp.get_context("spawn").Process(target=_trainer, args=(new_dir, [url], free_port(), child))
         proc.start()
@@ -64,10 +66,11 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
         sent, n_buckets = payload
         assert n_buckets > 1
         new = AutoModelForCausalLM.from_pretrained(new_dir).eval()
-        mine = dict(server.engine.model.named_parameters())
-        for name, p in new.named_parameters():
-            assert torch.equal(mine[name], p), name
-        assert not torch.equal(before, mine["model.embed_tokens.weight"])
+        weights = server.ranks.worker.weights
+        full = full_megatron_tensors(new.state_dict().items(), weights.spec, weights.arch)
+        expected = pack_shard(weights.spec, weights.layout, 0, full)
+        assert torch.equal(weights.flat, expected)
+        assert all(before[name] != h for name, h in weights.hashes().items() if "layernorm" not in name)
         assert sent == sum(p.numel() * p.element_size() for p in new.state_dict().values())
         # Generation now runs on the streamed weights and is tagged with the new version.
         import requests

@@ -61,10 +61,10 @@ class TPComm:
         """``[B, n]`` on every rank -> ``[B, size * n]``, rank order along the last dim."""
         if self.size == 1:
             return t
-        t = t.contiguous()
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        self.group._allgather_base(out, t).wait()
-        return out.movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
+        flat = t.contiguous().reshape(-1)
+        out = torch.empty(self.size * flat.numel(), dtype=t.dtype, device=t.device)
+        self.group._allgather_base(out, flat).wait()
+        return out.view(self.size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

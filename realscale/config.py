@@ -209,6 +209,7 @@ class GenerateConfig:
 
     backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU) or sglang (GPU).")
     num_servers: int = knob(1, "Generation servers to start.")
+    tp: int = knob(1, "Tensor-parallel ranks per generation server (embedded: processes; SGLang: --tp GPUs).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -227,6 +228,7 @@ class GenerateConfig:
         _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
+        _positive("generate", "tp", self.tp)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
 

@@ -69,6 +69,7 @@ class _Server:
     # Missed a weight update (did not answer when it was sent): never back in rotation,
     # because it would serve old weights under a version number it does not have.
     retired: bool = False
+    ranks: int = 0  # tensor-parallel ranks (its /get_server_info tp_size); 0: not asked yet
 
 
 class InferenceClient:
@@ -302,17 +303,29 @@ class InferenceClient:
         return list(await asyncio.gather(*(self._request(s, "POST", "/update_weights_from_disk", body)
                                            for s in targets)))
 
+    async def _ranks(self, server: _Server) -> int:
+        """How many ranks ``server`` has (SGLang's ``tp_size``; 1 if it does not say)."""
+        if not server.ranks:
+            info = await self._request(server, "GET", "/get_server_info")
+            server.ranks = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+        return server.ranks
+
     async def init_weights_update_group(self, sender: Any) -> None:
-        """Join every server to ``sender``'s group (ranks 1..N) while the sender hosts rank 0."""
+        """Join every rank of every server to ``sender``'s group (ranks 1..N, each server's
+        ranks at ``rank_offset + tp_rank``) while the sender hosts rank 0."""
         targets = [s for s in self.servers if s.healthy and not s.retired]
-        if sender.world_size != len(targets) + 1:
-            raise ValueError(f"sender.world_size={sender.world_size}, but {len(targets)} servers + 1 trainer rank")
+        ranks = sum([await self._ranks(s) for s in targets])
+        if sender.world_size != ranks + 1:
+            raise ValueError(f"sender.world_size={sender.world_size}, but {len(targets)} servers have {ranks} "
+                             "ranks, + 1 trainer rank")
         await self._join_group(sender, targets)
 
     async def _join_group(self, sender: Any, targets: list[_Server]) -> None:
         loop = asyncio.get_running_loop()
-        posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(i + 1))
-                 for i, s in enumerate(targets)]
+        posts, offset = [], 1
+        for s in targets:
+            posts.append(self._request(s, "POST", "/init_weights_update_group", sender.init_request(offset)))
+            offset += await self._ranks(s)
         await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
         self._group_urls = [s.url for s in targets]
 
@@ -325,7 +338,7 @@ class InferenceClient:
                 await self._request(s, "POST", "/destroy_weights_update_group", {"group_name": sender.group_name})
             except ServerError:
                 pass  # never joined the old group
-        sender.reopen(world_size=len(targets) + 1)
+        sender.reopen(world_size=sum([await self._ranks(s) for s in targets]) + 1)
         await self._join_group(sender, targets)
 
     async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],

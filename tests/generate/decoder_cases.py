@@ -37,3 +37,10 @@ def decoder_logits(model: str, ids: torch.Tensor, prefill: int) -> torch.Tensor:
 def all_families(models: list[str], ids: torch.Tensor, prefill: int) -> dict[str, torch.Tensor]:
     """:func:`decoder_logits` for each model (one spawn serves them all)."""
     return {m: decoder_logits(m, ids, prefill) for m in models}
+
+
+def rank_info(worker, tag: str) -> dict:
+    """A ``call_all("decoder_cases:rank_info", tag)`` target: what each rank holds."""
+    import os
+
+    return {"tag": tag, "rank": worker.tp_rank, "pid": os.getpid(), "numel": worker.weights.flat.numel()}

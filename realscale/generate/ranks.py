@@ -2,7 +2,9 @@
 
 Processes: the server process is **rank 0** (HTTP + scheduler, :class:`ServerRanks`); it
 spawns ranks ``1..N-1`` (:func:`_worker_main`: the same :class:`RankWorker` code, in a
-loop) which die with it (``die_with_parent``). The ranks form their own two process
+loop) which die with it (``die_with_parent``: the kernel kills them when the thread that
+built the :class:`ServerRanks` ends, so build it on the main thread). Workers sit in their
+own process group; rank 0 stops them when it shuts down. The ranks form their own two process
 groups from a ``TCPStore`` that rank 0 hosts on 127.0.0.1 (never the default group: a
 rank can still join any other group, e.g. a trainer's weight group):
 
@@ -47,8 +49,8 @@ import datetime
 import importlib
 import logging
 import multiprocessing.connection
+import os
 import pickle
-import signal
 import threading
 from typing import Any, Callable
 
@@ -227,7 +229,9 @@ def _worker_main(port: int, rank: int, tp: int, model_dir: str, dtype: torch.dty
     from realscale.parallel.device import rank_device
 
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    # Out of the server's process group: Ctrl-C or a launcher's SIGTERM to the group reach
+    # rank 0 only, which stops us in order (a worker killed first would look like a failure).
+    os.setpgid(0, 0)
     torch.set_num_threads(threads)
     dev = rank_device(device, rank)
     store = torch.distributed.TCPStore("127.0.0.1", port, tp, is_master=False,
@@ -401,8 +405,6 @@ class ServerRanks:
     # ------------------------------------------------------------------ failure and shutdown
 
     def pids(self) -> list[int]:
-        import os
-
         return [os.getpid(), *(p.pid for p in self.procs)]
 
     def _check(self) -> None:

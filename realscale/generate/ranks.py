@@ -137,11 +137,6 @@ class RankWorker:
         self.weights.copy_flat(fresh.flat)
         return n
 
-    def load_hf_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Write HF-named full tensors (in-process callers, tests); returns spec tensors written."""
-        loader = self.weights.loader()
-        return loader.add(named)
-
     def weight_hashes(self) -> dict[str, str]:
         """A hash per tensor of this rank's flat buffer."""
         return self.weights.hashes()
@@ -286,27 +281,30 @@ class ServerRanks:
         dev = rank_device(device, 0)
         comp = None
         if tp > 1:
-            comp = self._start_workers(model_dir, dtype, device, max_slots, max_len, threads, timeout_s)
+            comp = self._start_workers(model_dir, dtype, device, dev, max_slots, max_len, threads, timeout_s)
         self.worker: RankWorker | None = None
-        error = None
         try:
             self.worker = RankWorker(model_dir, tp, 0, TPComm(comp), dtype=dtype, device=dev, max_slots=max_slots,
                                      max_len=max_len)
         except Exception as exc:  # noqa: BLE001 - the workers must hear of it too
             if tp == 1:
                 raise
-            error = f"{type(exc).__name__}: {exc}"
+            self._startup_error = f"{type(exc).__name__}: {exc}"
         if tp > 1:
-            self._startup_error = error
-            try:
-                self.call_all("ping")
-            except Exception as exc:  # noqa: BLE001 - a rank's load error, or a rank that died
-                self.shutdown()
-                raise ValueError(f"the server's ranks failed to start: {exc}") from None
-            threading.Thread(target=self._watch, name="realscale-rank-watchdog", daemon=True).start()
+            self._check_ready()
 
-    def _start_workers(self, model_dir: str, dtype: torch.dtype, device: str, max_slots: int, max_len: int,
-                       threads: int, timeout_s: float) -> Any:
+    def _check_ready(self) -> None:
+        """Every rank loaded its shard (or the server stops them all and says why not)."""
+        try:
+            self.call_all("ping")
+        except Exception as exc:  # noqa: BLE001 - a rank's load error, or a rank that died
+            self.shutdown()
+            raise ValueError(f"the server's ranks failed to start: {exc}") from None
+        threading.Thread(target=self._watch, name="realscale-rank-watchdog", daemon=True).start()
+
+    def _start_workers(self, model_dir: str, dtype: torch.dtype, device: str, dev: torch.device, max_slots: int,
+                       max_len: int, threads: int, timeout_s: float) -> Any:
+        """Spawn ranks 1..N-1 and form the groups; returns the tensor-parallel group."""
         import multiprocessing as mp
 
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -320,7 +318,7 @@ class ServerRanks:
                                      threads, timeout_s))
             proc.start()
             self.procs.append(proc)
-        groups = self._while_workers_live(lambda: _groups(store, 0, self.tp, torch.device(device)), timeout_s)
+        groups = self._while_workers_live(lambda: _groups(store, 0, self.tp, dev), timeout_s)
         self.ctl = groups[0]
         return groups[1]
 

@@ -14,8 +14,10 @@ them on every TP worker: ``/init_weights_update_group`` joins rank ``rank_offset
 tp_rank`` of the group (so ``world_size`` counts every rank of every server plus the
 sender), ``/update_weights_from_distributed`` receives the broadcast full HF tensors on
 every rank and keeps each rank's shard, ``/update_weights_from_disk`` loads each rank's
-shard. ``GET /realscale/weight_hashes`` (ours, for tests) returns every rank's hash per
-tensor of its flat weight buffer. If a rank dies, ``/health`` answers 503 and, under
+shard. Like SGLang's, these run in the scheduler between forward passes, so generation
+waits while a weight group forms or a bucket arrives (the trainer pauses the servers for
+an update anyway). ``GET /realscale/weight_hashes`` (ours, for tests) returns every rank's
+hash per tensor of its flat weight buffer. If a rank dies, ``/health`` answers 503 and, under
 :func:`serve`, the process exits with a log line saying which rank died.
 
 Departures from SGLang, on purpose: ``/health_generate`` answers 200 while the server

@@ -62,8 +62,7 @@ def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: i
                 futures.append(server.engine.submit(Request(rid=uuid.uuid4().hex, input_ids=list(ids), params=opts)))
         texts = [server.tokenizer.decode(f.result().output_ids, skip_special_tokens=True) for f in futures]
     finally:
-        server.engine.shutdown()
-        server.pool.shutdown(wait=False)
+        server.close()
     return [texts[i * samples:(i + 1) * samples] for i in range(len(prompts))]
 
 

@@ -119,6 +119,10 @@ class EmbeddedServer:
         return app
 
     async def _cleanup(self, app: web.Application) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the scheduler and the ranks (a server used without HTTP calls this)."""
         self.engine.shutdown()
         self.ranks.shutdown()
 

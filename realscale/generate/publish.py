@@ -17,8 +17,11 @@ Transports (how step 2 happens) are chosen by :func:`transport_for` from the con
 
 - :class:`BroadcastTransport` — SGLang's ``/update_weights_from_distributed``: HF-named
   full tensors gathered to trainer rank 0 and broadcast to every server rank.
+- :class:`VllmEngineTransport` — vLLM servers: vLLM's own trainer-side weight-transfer
+  engine (``nccl`` on GPUs, realscale's ``gloo`` on CPU: :mod:`realscale.generate.vllm_gloo`)
+  over every rank of every server.
 - :class:`DiskTransport` — an HF directory on shared storage, then
-  ``/update_weights_from_disk`` (the fallback; any server).
+  ``/update_weights_from_disk`` (vLLM: ``reload_weights``) (the fallback; any server).
 
 Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (the
 rollout controller's event loop and its HTTP client); the other ranks get ``None``.
@@ -126,15 +129,27 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
     return [int(x) for x in t.cpu().tolist()]
 
 
-class BroadcastTransport(WeightTransport):
-    """SGLang's protocol: rank 0 hosts a weight group with every server rank and
-    broadcasts HF-named full tensors, bucket by bucket (gathered from the trainer's shards
-    over TP and down the pipeline first)."""
+def flush_after_update(pause_mode: str) -> bool:
+    """Whether a weight update asks the servers to flush their cache. After an ``abort``
+    pause nothing holds KV and the prefix cache of the old weights must go; after
+    ``retract`` / ``in_place`` requests still wait or hold KV, and the pinned SGLang fails
+    an update whose flush it has to refuse (``flush_cache`` defaults to true there)."""
+    return pause_mode == "abort"
 
-    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights") -> None:
+
+class BroadcastTransport(WeightTransport):
+    """SGLang's protocol (the pinned version's, see :mod:`realscale.generate.weight_sync`):
+    rank 0 hosts a weight group of 1 + every rank of every server (server i's tp rank r at
+    ``rank_offset_i + r``) and, inside a begin/end update session, broadcasts HF-named full
+    tensors bucket by bucket (gathered from the trainer's shards over TP and down the
+    pipeline first); the version goes with the last bucket."""
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights",
+                 pause_mode: str = "abort") -> None:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
+        self.flush_cache = flush_after_update(pause_mode)
         self.sender: Any = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
@@ -144,10 +159,10 @@ class BroadcastTransport(WeightTransport):
         from realscale.launcher import advertise_host
         from realscale.parallel.spawn import free_port
 
-        ranks = sum(s.ranks for s in control.servers)
-        self.sender = WeightSender(advertise_host(), free_port(), world_size=ranks + 1,
+        ranks = {s.url: s.ranks for s in control.servers}
+        self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),
                                    group_name=self.group_name, backend=self.backend)
-        control.run(lambda c: c.init_weights_update_group(self.sender))
+        control.run(lambda c: c.init_weights_update_group(self.sender, ranks))
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
@@ -156,7 +171,8 @@ class BroadcastTransport(WeightTransport):
                 pass
             _sum_over_ranks([0, 0])
             return SyncStats()
-        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version))
+        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
+                                                      flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
@@ -168,14 +184,121 @@ class BroadcastTransport(WeightTransport):
             self.sender.close()
 
 
+class VllmEngineTransport(WeightTransport):
+    """vLLM's weight-transfer protocol, driven by vLLM's own trainer-side engine.
+
+    Every trainer rank builds the engine (``WeightTransferTrainerFactory.trainer_init``) and
+    calls ``send_weights`` each step: rank 0 hosts a group of 1 + every worker of every
+    server (server *i*'s workers join at ``1 + ranks of servers before it + their rank``)
+    and broadcasts HF-named full tensors; the other ranks replay the export (its gathers
+    are collectives). The control calls (init, start, update concurrently with the
+    broadcast, finish with the new version) go through
+    :class:`realscale.generate.vllm_dialect.VllmSyncClient`. ``engine_name`` is ``nccl`` on
+    GPUs and ``gloo`` on CPU: the same code path, only the group differs. A server that
+    stopped answering is retired by the client and the group rebuilt among the others
+    before the next round (a collective with a dead member never completes)."""
+
+    def __init__(self, engine_name: str, bucket_bytes: int = 64 << 20) -> None:
+        self.engine_name = engine_name
+        self.bucket_bytes = bucket_bytes
+        self.source: Any = None
+        self.client: Any = None
+        self.trainer_engine: Any = None
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        from realscale.generate.vllm_dialect import VllmSyncClient
+        from realscale.generate.vllm_plugin import register
+        from realscale.generate.vllm_source import MegatronWeightSource
+
+        register()
+        self.source = MegatronWeightSource(engine, self.bucket_bytes)
+        if control is not None:
+            self.client = VllmSyncClient(control, {s.url: s.ranks for s in control.servers})
+            self._open(control.run(lambda c: c.update_targets()))
+        else:
+            self.trainer_engine = self._trainer_init(rank=_rank(), world_size=0, port=0)
+
+    def _trainer_init(self, rank: int, world_size: int, port: int) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from realscale.launcher import advertise_host
+
+        info = _trainer_init_info(self.engine_name, rank=rank, master_address=advertise_host(),
+                                  master_port=port, world_size=world_size)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+
+    def _open(self, urls: list[str]) -> None:
+        """Rank 0: a new weight group among the servers at ``urls``."""
+        from realscale.parallel.spawn import free_port
+
+        self.client.members = list(urls)
+        self.trainer_engine = self._trainer_init(rank=0, world_size=self.client.world_size(urls),
+                                                 port=free_port())
+
+    def _regroup(self, urls: list[str]) -> None:
+        import logging
+
+        logging.getLogger(__name__).warning("vLLM weight group %s -> %s: rebuilding it", self.client.members, urls)
+        survivors = [u for u in self.client.members if u in urls]
+        self.client.members = survivors
+        try:
+            self.client.shutdown_weight_transfer_engine()
+        except Exception:  # noqa: BLE001 - a survivor that never joined has nothing to shut down
+            pass
+        self.trainer_engine.shutdown()
+        self._open(urls)
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        if control is not None:
+            urls = control.run(lambda c: c.update_targets())
+            if urls != self.client.members:
+                self._regroup(urls)
+            self.client.version = version
+        self.trainer_engine.send_weights()
+        if control is None:
+            _sum_over_ranks([0, 0])
+            return SyncStats()
+        receivers = self.client.world_size(self.client.members) - 1
+        delivered, bound = _sum_over_ranks([self.source.nbytes() * receivers,
+                                            engine.hf_weight_bytes() * len(self.client.members)])
+        return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def close(self) -> None:
+        if self.trainer_engine is not None:
+            self.trainer_engine.shutdown()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _trainer_init_info(engine_name: str, *, rank: int, master_address: str, master_port: int,
+                       world_size: int) -> Any:
+    """vLLM's trainer init info for ``engine_name`` (rank 0 is the sender)."""
+    if engine_name == "gloo":
+        from realscale.generate.vllm_gloo import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    if engine_name == "nccl":  # GPU only; not run on the CPU machine
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    raise ValueError(f"vLLM weight-transfer engine {engine_name!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+
+
 class DiskTransport(WeightTransport):
     """An HF directory per version under ``<run>/weights/``, loaded by every server.
     Only the newest two versions are kept (a server may still be reading the previous
     one when the next is written)."""
 
-    def __init__(self, out_dir: str, keep: int = 2) -> None:
+    def __init__(self, out_dir: str, keep: int = 2, pause_mode: str = "abort") -> None:
         self.root = os.path.join(out_dir, "weights")
         self.keep = keep
+        self.flush_cache = flush_after_update(pause_mode)
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -185,7 +308,8 @@ class DiskTransport(WeightTransport):
         engine.save_hf(path)
         written = 0
         if control is not None:
-            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version))
+            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version,
+                                                             flush_cache=self.flush_cache))
             written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
             self._prune(version)
         return SyncStats(bytes=written, lower_bound=written)
@@ -230,5 +354,9 @@ def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
     from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
-        return DiskTransport(out_dir)
-    return BroadcastTransport(backend(cfg.parallel.backend))
+        return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
+    if cfg.generate.backend == "vllm":
+        from realscale.generate.vllm_server import weight_engine
+
+        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
+    return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

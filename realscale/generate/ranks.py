@@ -113,18 +113,19 @@ class RankWorker:
         self.receiver.destroy_group(group_name)
 
     def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                        end: bool) -> int:
-        """Receive one broadcast bucket of full HF tensors, keep this rank's shards;
-        ``end``: the update's last bucket (half-sent fused tensors are an error)."""
-        named = self.receiver.receive(names, dtypes, shapes, group_name)
+                        load_format: str | None = None) -> int:
+        """Receive one broadcast bucket of full HF tensors (SGLang's ``load_format``) and
+        keep this rank's shards; returns how many spec tensors it completed."""
+        named = self.receiver.receive(names, dtypes, shapes, group_name, load_format)
         try:
-            written = self.loader.add(named)
+            return self.loader.add(named)
         except (KeyError, ValueError):
             self.loader.pending.clear()
             raise
-        if end:
-            self.loader.end_update()
-        return written
+
+    def end_weight_update(self) -> None:
+        """An update session ends: a fused tensor sent only in part is an error."""
+        self.loader.end_update()
 
     def load_weights_from_disk(self, model_dir: str) -> int:
         """Load this rank's shard from an HF directory, all or nothing."""
@@ -428,10 +429,13 @@ class ServerRanks:
         return self.failure is None
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """Stop the workers (told to, then killed if they linger)."""
+        """Stop the workers (told to, then killed if they linger) and leave rank 0's weight
+        groups (their names are free again for a later server in this process)."""
         if self._closing:
             return
         self._closing = True
+        if self.worker is not None:
+            self.worker.receiver.close()
         if self.ctl is not None and self.failure is None and self._lock.acquire(timeout=grace):
             try:
                 _broadcast_header(self.ctl, [OP_STOP, 0, 0, 0, 0, 0])

@@ -102,7 +102,7 @@ def test_pause_resume_and_abort(tp2_server, tiny_server) -> None:
         keep = pool.submit(_greedy, url, PROMPTS[:2], [120, 120], ["keep", "victim"])
         _wait_running(url, 2)
         assert _post(url, "/pause_generation", {"mode": "retract"}).status_code == 200
-        assert _post(url, "/abort_request", {"rid": "victim"}).json()["num_aborted"] == 1
+        assert _post(url, "/abort_request", {"rid": "victim"}).status_code == 200
         assert _post(url, "/continue_generation", {}).status_code == 200
         kept, victim = keep.result()
     assert victim["meta_info"]["finish_reason"]["type"] == "abort"

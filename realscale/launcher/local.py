@@ -47,10 +47,11 @@ class ServerProc:
 
 
 def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
-                  max_running: int = 32, context_length: int = 2048, seed: int = 0,
+                  max_running: int = 32, context_length: int = 2048, seed: int = 0, tp: int = 1,
                   timeout: float = 180.0) -> list[ServerProc]:
-    """``num`` embedded generation servers (``realscale serve``), each on a free port,
-    logging to ``log_dir/server<i>.log``; returns once every one answers /health."""
+    """``num`` embedded generation servers (``realscale serve``) of ``tp`` ranks with
+    ``threads`` torch threads each, each on a free port, logging to
+    ``log_dir/server<i>.log``; returns once every one answers /health."""
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i in range(num):
@@ -58,7 +59,7 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
         log_path = os.path.join(log_dir, f"server{i}.log")
         cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
                "--threads", str(threads), "--max-running", str(max_running), "--context-length",
-               str(context_length), "--seed", str(seed + i)]
+               str(context_length), "--seed", str(seed + i), "--tp", str(tp)]
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
@@ -237,14 +238,14 @@ class LocalBackend:
             return [s.url for s in self.servers]
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,
-                                     max_running=g.max_running_requests)
+                                     max_running=g.max_running_requests, tp=g.tp)
         return [s.url for s in self.servers]
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
-        # each embedded server runs one torch thread (start_servers' default); each vLLM
-        # server rank generate.cpu_threads
+        # each rank of each embedded server runs one torch thread (start_servers' default);
+        # each vLLM server rank generate.cpu_threads
         g = self.cfg.generate
-        busy = len(self.servers) * (g.tp * g.cpu_threads if g.backend == "vllm" else 1)
+        busy = len(self.servers) * g.tp * (g.cpu_threads if g.backend == "vllm" else 1)
         self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
 
     def wait(self) -> int:

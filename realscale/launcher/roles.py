@@ -76,23 +76,22 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
         return _exec_vllm(spec, gen, index, seed)
     import torch
 
-    from aiohttp import web
+    from realscale.generate.server import EmbeddedServer, serve
 
-    from realscale.generate.server import EmbeddedServer
-
-    torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    tp = int(gen.get("tp", 1))  # ranks of this server: this task's process and tp - 1 it spawns
+    threads = max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) // tp)
+    torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
-                            context_length=int(gen["context_length"]), seed=seed)
+                            context_length=int(gen["context_length"]), seed=seed, tp=tp, threads=threads)
     # bind port 0: the kernel picks a port free on this node, no race with other jobs
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((gen["host"], 0))
     url = f"http://{_advertised_host(gen['host'])}:{sock.getsockname()[1]}"
     _publish(spec.url_dir, index, url)
-    print(f"realscale server {index}: {spec.model_dir} on {url}", flush=True)
-    web.run_app(server.app(), sock=sock, print=None, handle_signals=True, access_log=None)
-    return 0
+    print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s))", flush=True)
+    return serve(server, sock=sock)
 
 
 def _publish(url_dir: str, index: int, url: str) -> None:

@@ -92,6 +92,13 @@ def _hf_names(rule: Rule, layer: int | None, arch: ModelArch) -> tuple[str, ...]
     return names
 
 
+def hf_sources(name: str, arch: ModelArch) -> tuple[str, tuple[str, ...]]:
+    """``(kind, HF names)`` of megatron parameter ``name`` (global layer indices): what
+    :func:`hf_to_megatron` needs to build it. A tied output layer names the embedding."""
+    rule, layer = match(name)
+    return rule.kind, _hf_names(rule, layer, arch)
+
+
 # --------------------------------------------------------------------------- pure converters
 
 

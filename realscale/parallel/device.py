@@ -83,3 +83,31 @@ def init_distributed(requested: str = "auto") -> str:
     if not dist.is_initialized():
         dist.init_process_group(name)
     return dist.get_backend()
+
+
+def rank_device(requested: str, rank: int) -> Any:
+    """The device of rank ``rank`` of a multi-process component that was asked for
+    ``requested`` (``cpu``, ``cuda`` or ``cuda:i``): ranks take consecutive GPUs from
+    ``i`` (wrapping around the visible ones) and make theirs the current device."""
+    import torch
+
+    dev = torch.device(requested)
+    if dev.type != "cuda":
+        return torch.device("cpu")
+    if not cuda_usable():
+        raise BackendError(f"device {requested!r} needs CUDA, and no GPU is visible")
+    dev = torch.device("cuda", ((dev.index or 0) + rank) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def store_group(store: Any, rank: int, world: int, backend_name: str, timeout: Any) -> Any:
+    """A process group over ``store`` that is *not* the default group (a process can hold
+    several: a generation server's ranks, then a weight group with a trainer)."""
+    import torch.distributed as dist
+
+    if backend_name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    if backend_name == "nccl":  # GPU only; not run on the CPU test machine
+        return dist.ProcessGroupNCCL(store, rank, world)
+    raise BackendError(f"backend: {backend_name!r} is not one of 'gloo', 'nccl'")

@@ -209,6 +209,7 @@ class GenerateConfig:
 
     backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU) or sglang (GPU).")
     num_servers: int = knob(1, "Generation servers to start.")
+    tp: int = knob(1, "Tensor-parallel ranks per generation server (its processes; a plan's actor_gen tp sets it).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -227,6 +228,7 @@ class GenerateConfig:
         _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
+        _positive("generate", "tp", self.tp)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
 
@@ -314,6 +316,7 @@ class LaunchConfig:
     account: str = knob("", "Slurm account (empty: the user's default).")
     cpus_per_task: int = knob(0, "CPUs per task (sbatch --cpus-per-task; 0: Slurm's default).")
     ntasks: int = knob(0, "CPU jobs: tasks of the allocation (0: the trainer world size).")
+    oversubscribe: bool = knob(False, "CPU runs with a plan: allow more trainer + server ranks than CPU cores (slow; small test machines). GPU runs never oversubscribe.")
     signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
     requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
     check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")

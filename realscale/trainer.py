@@ -57,7 +57,7 @@ class Trainer:
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls])
+            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls])
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from realscale.generate import protocol as P
+from realscale.generate import weight_world_routes
 from realscale.generate.engine import Engine, Request
 from realscale.generate.weight_sync import WeightReceiver
 
@@ -105,6 +106,7 @@ class EmbeddedServer:
             r.add_get(path, self.get_model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.get_server_info)
+        weight_world_routes.register(app, self)  # /realscale/*_weight_world, update_weights_reshard
         app.on_cleanup.append(self._cleanup)
         return app
 

@@ -48,9 +48,13 @@ class ServerProc:
 
 def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
                   max_running: int = 32, context_length: int = 2048, seed: int = 0,
-                  timeout: float = 180.0) -> list[ServerProc]:
-    """``num`` embedded generation servers (``realscale serve``), each on a free port,
-    logging to ``log_dir/server<i>.log``; returns once every one answers /health."""
+                  timeout: float = 180.0, tp: int = 1, first_gpu: int | None = None) -> list[ServerProc]:
+    """``num`` embedded generation servers (``realscale serve``) of ``tp`` ranks each, each
+    on a free port, logging to ``log_dir/server<i>.log``; returns once every one answers
+    /health. ``first_gpu``: on a GPU machine, server i's ranks use GPUs ``first_gpu + i*tp``
+    onwards (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
+    from realscale.parallel.device import devices_of_server
+
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i in range(num):
@@ -59,9 +63,15 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
         cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
                "--threads", str(threads), "--max-running", str(max_running), "--context-length",
                str(context_length), "--seed", str(seed + i)]
+        if tp > 1:
+            cmd += ["--tp", str(tp)]
+        env = dict(os.environ)
+        if first_gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices_of_server(first_gpu + i * tp, tp)
+            cmd += ["--device", "cuda"]
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, env=env)
         servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
     try:
         for s in servers:
@@ -175,18 +185,33 @@ class LocalBackend:
         self.ranks = RankGroup()
 
     def prepare(self) -> None:
+        """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`)."""
+        from realscale.config import ConfigError
+        from realscale.planner.validate import check_capacity, local_slots
+
+        if self.cfg.parallel.plan:
+            slots, unit, gpus = local_slots()
+            try:
+                check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
+            except ConfigError as exc:
+                raise LaunchError(str(exc)) from None
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+        from realscale.parallel.device import cuda_usable
+
         g = self.cfg.generate
+        # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
+        first_gpu = self.cfg.parallel.world_size if cuda_usable() and self.cfg.generate.backend == "embedded" else None
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,
-                                     max_running=g.max_running_requests)
+                                     max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
         return [s.url for s in self.servers]
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
-        # each embedded server runs one torch thread (start_servers' default)
-        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=len(self.servers)))
+        # each embedded server rank runs one torch thread (start_servers' default)
+        busy = len(self.servers) * self.cfg.generate.tp
+        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
 
     def wait(self) -> int:
         return self.ranks.wait()

@@ -239,3 +239,59 @@ def pack_megatron(params: dict[str, "torch.Tensor"], spec: "ModelSpec", layout: 
         raise LayoutError(f"rank {gpu}: no local parameter for {spec.tensors[missing[0]].name} "
                           f"({len(missing)} spec tensors missing)")
     return out
+
+
+# ----------------------------------------------------------------------------- both sides
+
+
+def plan_for(world: WorldSpec, spec: "ModelSpec") -> Any:
+    """The resharding plan of ``world``; every member computes the same one from the same
+    inputs (the plan is deterministic), so no plan is ever sent over the wire."""
+    from realscale.parallel.reshard import plan_reshard
+
+    if spec_digest(spec) != world.spec_digest:
+        raise LayoutError(f"weight world {world.name}: this side's model spec ({spec_digest(spec)}) differs from "
+                          f"the trainer's ({world.spec_digest}); are both serving the same model and dtype?")
+    src, dst = world.layouts()
+    return plan_reshard(spec, src, dst, gpus_per_node=world.world_size)
+
+
+class WorldMember:
+    """One rank's membership of a weight world, with the resharder built on it: what a
+    trainer rank and a generation-server rank each hold between steps."""
+
+    def __init__(self, world: WorldSpec, rank: int, spec: "ModelSpec") -> None:
+        from realscale.parallel.reshard_exec import Resharder
+
+        plan = plan_for(world, spec)  # before joining: a mismatch fails here, not as a hang
+        self.world, self.rank, self.spec = world, rank, spec
+        self.group = StoreGroup(world, rank)
+        self.resharder = Resharder(plan, comm=self.group, bucket_bytes=world.bucket_bytes,
+                                   max_inflight_bytes=4 * world.bucket_bytes)
+        self.dtype = torch_dtype(world.dtype)
+
+    @property
+    def plan(self) -> Any:
+        return self.resharder.plan
+
+    def shard_numel(self) -> int:
+        """Elements of this rank's destination shard (a server rank's flat buffer)."""
+        idx = self.resharder.dst_idx
+        return 0 if idx is None else idx.numel
+
+    def lower_bound_bytes(self) -> int:
+        from realscale.parallel.reshard import lower_bound_elems
+
+        src, dst = self.world.layouts()
+        return sum(lower_bound_elems(self.spec, src, dst).values()) * self.spec.itemsize
+
+    def send(self, src_buf: "torch.Tensor") -> Any:
+        """Trainer rank: move this rank's part of the weights; returns ReshardStats."""
+        return self.resharder.run(src_buf)[1]
+
+    def receive(self, out: "torch.Tensor") -> Any:
+        """Server rank: fill ``out`` (this rank's flat shard) with the new weights."""
+        return self.resharder.run(None, dtype=self.dtype, out=out)[1]
+
+    def close(self) -> None:
+        self.group.close()

@@ -395,6 +395,7 @@ class MegatronEngine:
         if self.ranks.dp > 1:
             dist.all_reduce(vec, group=self.ranks.dp_group)
         vec = vec.cpu()
+        if self.ranks.dp > 1:
             for i, key in enumerate(keys):
                 if key != "loss":
                     vec[i] /= self.ranks.dp

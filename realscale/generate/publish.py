@@ -292,6 +292,7 @@ class ReshardTransport(WeightTransport):
         self.members: list[str] = []  # server URLs of the current world, in rank order
         self.spec: Any = None
         self.src_buf: Any = None
+        self.store: Any = None  # rank 0: the weight world's TCPStore
         self.rebuilds = 0
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
@@ -330,20 +331,21 @@ class ReshardTransport(WeightTransport):
         died); every trainer rank gets the new world, or None when nothing changed."""
         import torch.distributed as dist
 
-        from realscale.parallel.weight_world import WorldSpec, spec_digest
+        from realscale.parallel.weight_world import WorldSpec, host_store, spec_digest
 
         holder: list[Any] = [None]
         if control is not None:
             alive = control.run(lambda c: c.weight_targets())
             if self.member is None or alive != self.members:
                 from realscale.launcher import advertise_host
-                from realscale.parallel.spawn import free_port
 
                 ranks = {s.url: s.ranks for s in control.servers}
                 r = engine.ranks
                 self.rebuilds += self.member is not None
-                world = WorldSpec(advertise_host(), free_port(), f"realscale-weights-{self.rebuilds}", self.backend,
-                                  f"d{r.dp}t{r.tp}p{r.pp}", [ranks[u] for u in alive],
+                n = r.dp * r.tp * r.pp + sum(ranks[u] for u in alive)
+                self.store = host_store(advertise_host(), n, self.timeout_s)
+                world = WorldSpec(advertise_host(), self.store.port, f"realscale-weights-{self.rebuilds}",
+                                  self.backend, f"d{r.dp}t{r.tp}p{r.pp}", [ranks[u] for u in alive],
                                   str(engine.config.params_dtype).removeprefix("torch."), spec_digest(self.spec),
                                   self.bucket_bytes, self.timeout_s)
                 # every server validates the world first: a mismatch is an error, not a hang
@@ -371,7 +373,7 @@ class ReshardTransport(WeightTransport):
             bodies = _join_bodies(world, self.members, False)
             pending = control.submit(lambda c: c.post_each("/realscale/join_weight_world", bodies))
         try:
-            self.member = WorldMember(world, dist.get_rank(), self.spec)
+            self.member = WorldMember(world, dist.get_rank(), self.spec, self.store if control is not None else None)
         finally:
             if pending is not None:
                 pending.result(timeout=self.timeout_s)  # a server's refusal surfaces here

@@ -110,19 +110,39 @@ class SingleRankWorld:
         self.member, self.buffer = None, None
 
 
+def _hf_names(name: str, arch: Any) -> tuple[Any, list[str]]:
+    """The conversion rule of spec tensor ``name`` and the HF tensors it is made of."""
+    from realscale.models.convert import match
+
+    rule, layer = match(name)
+    if rule.kind == "vocab" and arch.tie_embeddings:
+        return rule, ["model.embed_tokens.weight"]
+    return rule, [n.format(i=layer) for n in rule.hf]
+
+
 def megatron_shard_to_hf(spec: "ModelSpec", idx: Any, buf: "torch.Tensor", arch: Any) -> list[tuple[str, Any]]:
     """Full (tp=1) Megatron-layout tensors of a flat buffer -> HF-named tensors."""
-    from realscale.models.convert import match, megatron_to_hf
+    from realscale.models.convert import megatron_to_hf
     from realscale.parallel.reshard_exec import unpack_shard
 
     out: list[tuple[str, Any]] = []
     for name, t in unpack_shard(spec, idx, buf).items():
-        rule, layer = match(name)
+        rule, names = _hf_names(name, arch)
         full = t.reshape(-1, *t.shape[2:]) if rule.kind in ("qkv", "fc1") else t
-        names = [n.format(i=layer) for n in rule.hf]
-        if rule.kind == "vocab" and arch.tie_embeddings:
-            names = ["model.embed_tokens.weight"]
         out.extend(zip(names, megatron_to_hf(rule.kind, full, arch)))
+    return out
+
+
+def spec_full_from_hf(spec: "ModelSpec", hf: dict[str, "torch.Tensor"], arch: Any) -> dict[str, "torch.Tensor"]:
+    """Full HF tensors -> the spec's full tensors (Megatron tp=1 layout, padded vocabulary):
+    the inverse of :func:`megatron_shard_to_hf`."""
+    from realscale.models.convert import hf_to_megatron
+
+    out = {}
+    for t in spec.tensors:
+        rule, names = _hf_names(t.name, arch)
+        padded = t.shape[0] if rule.kind == "vocab" else 0
+        out[t.name] = hf_to_megatron(rule.kind, [hf[n] for n in names], arch, 0, 1, padded).reshape(t.shape)
     return out
 
 

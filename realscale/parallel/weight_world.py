@@ -41,10 +41,11 @@ if TYPE_CHECKING:
 
 
 def spec_digest(spec: "ModelSpec") -> str:
-    """A short fingerprint of a spec (names, shapes, sharding, stages, itemsize): both ends
-    of a weight world must plan with the same one."""
+    """A short fingerprint of a spec (names, full shapes, sharding, stages): both ends of a
+    weight world must plan with the same one. The element size is not part of it: the
+    world moves the trainer's dtype and a server of another dtype casts on arrival."""
     text = json.dumps([[t.name, list(t.shape), t.split_dim, t.layer, t.also_last] for t in spec.tensors]
-                      + [spec.n_layers, spec.itemsize])
+                      + [spec.n_layers])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -125,22 +126,36 @@ def _pg(store: Any, rank: int, size: int, backend: str, timeout: datetime.timede
     return dist.ProcessGroupNCCL(store, rank, size)  # GPU only; not run on the CPU test machine
 
 
+def host_store(address: str, world_size: int, timeout_s: float) -> Any:
+    """Rank 0's ``TCPStore`` on a port the OS picks (``.port``; no race for a free port);
+    it does not wait for the others here, :class:`StoreGroup` does."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, 0, world_size, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 class StoreGroup:
     """This process's membership of a weight world (see the module docstring).
 
-    Building it blocks until every member of the world has joined (rank 0 hosts the store).
+    Building it blocks until every member of the world has joined. Rank 0 passes the
+    store it hosts (:func:`host_store`, whose port is ``world.master_port``).
     """
 
-    def __init__(self, world: WorldSpec, rank: int) -> None:
+    def __init__(self, world: WorldSpec, rank: int, store: Any = None) -> None:
         import torch.distributed as dist
 
         if not 0 <= rank < world.world_size:
             raise LayoutError(f"weight world {world.name}: rank {rank} outside [0, {world.world_size})")
+        if (store is not None) != (rank == 0):
+            raise LayoutError(f"weight world {world.name}: rank 0, and only rank 0, hosts the store")
         self.world, self.rank, self.size = world, rank, world.world_size
         self.backend = world.backend
         self.timeout = datetime.timedelta(seconds=world.timeout_s)
-        self.store = dist.TCPStore(world.master_address, world.master_port, world.world_size,
-                                   is_master=(rank == 0), timeout=self.timeout)
+        if store is None:
+            store = dist.TCPStore(world.master_address, world.master_port, world.world_size, is_master=False,
+                                  timeout=self.timeout)
+        self.store = store
         self.pg = _pg(dist.PrefixStore(f"{world.name}/all/", self.store), rank, self.size, self.backend, self.timeout)
         self.subgroups: dict[tuple[int, ...], Any] = {}
 
@@ -182,6 +197,20 @@ def _int64() -> Any:
     import torch
 
     return torch.int64
+
+
+def join_via_board(board: Any, template: WorldSpec, rank: int) -> tuple[WorldSpec, Any]:
+    """(world, hosted store) for processes that share a store ``board`` instead of HTTP
+    (tests, benchmarks): world rank 0 hosts the world's store on a port the OS picks and
+    publishes the world under its name; the others read it there (waiting for it)."""
+    import dataclasses
+
+    if rank == 0:
+        store = host_store(template.master_address, template.world_size, template.timeout_s)
+        world = dataclasses.replace(template, master_port=store.port)
+        board.set(world.name, json.dumps(world.to_json()))
+        return world, store
+    return WorldSpec.from_json(json.loads(board.get(template.name))), None
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -251,7 +280,7 @@ def plan_for(world: WorldSpec, spec: "ModelSpec") -> Any:
 
     if spec_digest(spec) != world.spec_digest:
         raise LayoutError(f"weight world {world.name}: this side's model spec ({spec_digest(spec)}) differs from "
-                          f"the trainer's ({world.spec_digest}); are both serving the same model and dtype?")
+                          f"the trainer's ({world.spec_digest}); do both hold the same model?")
     src, dst = world.layouts()
     return plan_reshard(spec, src, dst, gpus_per_node=world.world_size)
 
@@ -260,12 +289,12 @@ class WorldMember:
     """One rank's membership of a weight world, with the resharder built on it: what a
     trainer rank and a generation-server rank each hold between steps."""
 
-    def __init__(self, world: WorldSpec, rank: int, spec: "ModelSpec") -> None:
+    def __init__(self, world: WorldSpec, rank: int, spec: "ModelSpec", store: Any = None) -> None:
         from realscale.parallel.reshard_exec import Resharder
 
         plan = plan_for(world, spec)  # before joining: a mismatch fails here, not as a hang
         self.world, self.rank, self.spec = world, rank, spec
-        self.group = StoreGroup(world, rank)
+        self.group = StoreGroup(world, rank, store)
         self.resharder = Resharder(plan, comm=self.group, bucket_bytes=world.bucket_bytes,
                                    max_inflight_bytes=4 * world.bucket_bytes)
         self.dtype = torch_dtype(world.dtype)

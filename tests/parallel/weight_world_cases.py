@@ -18,6 +18,28 @@ from typing import Any
 import torch
 
 
+def rendezvous(rdzv: tuple[str, int], template: dict, rank: int) -> tuple[Any, Any]:
+    """(world, hosted store) through the test's rendezvous store (``join_via_board``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from realscale.parallel.weight_world import WorldSpec, join_via_board
+
+    board = dist.TCPStore(rdzv[0], rdzv[1], is_master=False, timeout=datetime.timedelta(seconds=900))
+    return join_via_board(board, WorldSpec.from_json(template), rank)
+
+
+def host_rendezvous() -> tuple[Any, tuple[str, int]]:
+    """The test process's rendezvous store (keep the returned object alive)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=900), wait_for_workers=False)
+    return store, ("127.0.0.1", store.port)
+
+
 def tensor_hashes(spec: Any, idx: Any, buf: torch.Tensor) -> dict[str, str]:
     """sha1 of each tensor's bytes in a flat shard buffer."""
     from realscale.parallel.reshard_exec import unpack_shard
@@ -26,25 +48,12 @@ def tensor_hashes(spec: Any, idx: Any, buf: torch.Tensor) -> dict[str, str]:
             for name, t in unpack_shard(spec, idx, buf).items()}
 
 
-def spec_full_from_hf(spec: Any, hf: dict[str, torch.Tensor], arch: Any) -> dict[str, torch.Tensor]:
-    """Full HF tensors -> the spec's full tensors (Megatron tp=1 layout, padded vocabulary)."""
-    from realscale.models.convert import hf_to_megatron, match
-
-    out = {}
-    for t in spec.tensors:
-        rule, layer = match(t.name)
-        names = ["model.embed_tokens.weight"] if rule.kind == "vocab" and arch.tie_embeddings else \
-            [n.format(i=layer) for n in rule.hf]
-        padded = t.shape[0] if rule.kind == "vocab" else 0
-        out[t.name] = hf_to_megatron(rule.kind, [hf[n] for n in names], arch, 0, 1, padded).reshape(t.shape)
-    return out
-
-
 def expected_hashes(engine: Any, spec: Any, world: Any) -> dict[int, dict[str, str]] | None:
     """On trainer rank 0: each destination rank's tensor hashes from the exported weights;
     every trainer rank must call it (the export is collective)."""
     import torch.distributed as dist
 
+    from realscale.generate.weight_world_routes import spec_full_from_hf
     from realscale.parallel.reshard import shard_index
     from realscale.parallel.reshard_exec import pack_shard
 
@@ -74,7 +83,8 @@ def perturb(engine: Any, step: int) -> None:
         p.add_(noise.to(p.device, p.dtype))
 
 
-def trainer_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: int = 2) -> list[dict]:
+def trainer_worker(model_dir: str, cases: list[tuple[str, list[dict]]], rdzv: tuple[str, int],
+                   steps: int = 2) -> list[dict]:
     """For each (trainer strategy, worlds): build the engine, then per world and step:
     pack, send, and (rank 0) the expected hashes."""
     import torch.distributed as dist
@@ -83,7 +93,7 @@ def trainer_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: i
     from realscale.parallel.device import comm_empty
     from realscale.parallel.mesh import Strategy
     from realscale.parallel.model_spec import spec_from_hf_config
-    from realscale.parallel.weight_world import WorldMember, WorldSpec, pack_megatron
+    from realscale.parallel.weight_world import WorldMember, pack_megatron
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     out = []
@@ -92,8 +102,8 @@ def trainer_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: i
         engine = MegatronEngine(EngineConfig(model_dir, tp=s.tp, pp=s.pp, lr=None))
         spec = spec_from_hf_config(engine.hf_config, itemsize=4)
         for wj in worlds:
-            world = WorldSpec.from_json(wj)
-            member = WorldMember(world, dist.get_rank(), spec)
+            world, store = rendezvous(rdzv, wj, dist.get_rank())
+            member = WorldMember(world, dist.get_rank(), spec, store)
             src, _ = world.layouts()
             buf = comm_empty(member.resharder.src_idx.numel, torch.float32, world.backend)
             for step in range(steps):
@@ -108,7 +118,8 @@ def trainer_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: i
     return out
 
 
-def server_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: int = 2) -> list[dict]:
+def server_worker(model_dir: str, cases: list[tuple[str, list[dict]]], rdzv: tuple[str, int],
+                  steps: int = 2) -> list[dict]:
     """Destination rank ``T + local rank`` of every world: receive, hash, report."""
     import torch.distributed as dist
 
@@ -119,8 +130,8 @@ def server_worker(model_dir: str, cases: list[tuple[str, list[dict]]], steps: in
     out = []
     for _, worlds in cases:
         for wj in worlds:
-            world = WorldSpec.from_json(wj)
-            rank = world.trainer_ranks + dist.get_rank()
+            rank = WorldSpec.from_json(wj).trainer_ranks + dist.get_rank()
+            world, _ = rendezvous(rdzv, wj, rank)
             member = WorldMember(world, rank, spec)
             buf = torch.full((member.shard_numel(),), float("nan"))
             for step in range(steps):

@@ -51,7 +51,8 @@ def test_a_plan_larger_than_the_machine_is_refused_before_anything_starts(tmp_pa
 
     plan = tmp_path / "plan.yaml"
     n = (os.cpu_count() or 1) + 1
-    plan.write_text(PLAN.replace('"0:2", strategy: d2t1p1', f'"0:{n}", strategy: d{n}t1p1')
+    plan.write_text(PLAN.replace("cluster: {nodes: 1, gpus_per_node: 4, gpu: cpu}\n", "")
+                        .replace('"0:2", strategy: d2t1p1', f'"0:{n}", strategy: d{n}t1p1')
                         .replace('"2:4"', f'"{n}:{n + 2}"'))
     cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r",
            f"parallel.plan={plan}", *[a for a in ARGS if "oversubscribe" not in a]]

@@ -273,15 +273,17 @@ class WeightPublisher:
 class ReshardTransport(WeightTransport):
     """The resharder over the weight world (trainer ranks ``[0, T)`` + server ranks).
 
-    ``connect``: rank 0 picks a free port, every trainer rank learns the world
-    (:class:`~realscale.parallel.weight_world.WorldSpec`), rank 0 tells each server over
-    HTTP (``/realscale/join_weight_world``, every server rank joins at ``rank_offset +
-    tp_rank``) while every trainer rank joins; all compute the same plan from the two
-    layouts. ``send``: rank 0 checks which servers are alive (a dead one is retired and
-    the world rebuilt for the rest); each trainer rank packs its Megatron shards into its
-    flat source buffer; rank 0 asks the servers to receive
+    Each ``send``: (1) rank 0 asks which servers are alive (a dead one is retired); on the
+    first step, or when that set changed, it hosts a new world's store (OS-picked port),
+    has every server check the world (``/realscale/join_weight_world`` with
+    ``check_only``), and every trainer rank learns the world
+    (:class:`~realscale.parallel.weight_world.WorldSpec`); then the servers join over HTTP
+    (every server rank at ``rank_offset + tp_rank``) while every trainer rank joins, and
+    all compute the same plan from the two layouts. (2) Each trainer rank packs its
+    Megatron shards into its flat source buffer. (3) Rank 0 asks the servers to receive
     (``/realscale/update_weights_reshard``) while every trainer rank sends its part. A
-    server carries the new version only once all its ranks have every byte.
+    server carries the new version only once all its ranks have every byte; ``bytes``
+    is what the server ranks report receiving.
     """
 
     def __init__(self, backend: str, bucket_bytes: int = 64 << 20, timeout_s: float = 600.0) -> None:

@@ -93,7 +93,7 @@ EXTRAS = {
     # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
     "gpu": [
         "transformer-engine[pytorch]",
-        "sglang[srt]",
+        "sglang>=0.5.21,<0.5.24",  # = realscale.generate.sglang_reference.SUPPORTED (a test keeps them equal)
         "flash-attn",
     ],
 }

@@ -9,5 +9,8 @@
   (``LOGPROB_CONVENTION``, ``token_logprobs``) the trainer shares.
 - :mod:`~realscale.generate.weight_sync`: ``WeightSender``/``WeightReceiver``, bucketed
   weight broadcast over a separate torch.distributed group (SGLang's protocol).
-- :mod:`~realscale.generate.sglang_launcher`: start real SGLang servers (GPU only).
+- :mod:`~realscale.generate.sglang_launcher`: start real SGLang servers (GPU only), after
+  checking the installed version.
+- :mod:`~realscale.generate.sglang_reference`: the pinned SGLang version and supported range,
+  and that version's source (downloaded, not installed) for the contract tests.
 """

@@ -66,6 +66,7 @@ class _Server:
     healthy: bool = True
     in_flight: int = 0
     failures: int = 0
+    ranks: int = 1  # tensor-parallel ranks: each joins the weight-update group
     # Missed a weight update (did not answer when it was sent): never back in rotation,
     # because it would serve old weights under a version number it does not have.
     retired: bool = False
@@ -294,25 +295,53 @@ class InferenceClient:
     async def resume(self) -> None:
         await self._control("/continue_generation", {})
 
-    async def update_weights_from_disk(self, path: str, weight_version: Any = None) -> list[Any]:
-        body: dict[str, Any] = {"model_path": path}
+    async def update_weights_from_disk(self, path: str, weight_version: Any = None,
+                                       flush_cache: bool = True) -> list[Any]:
+        """Every server loads ``path``; ``flush_cache`` as SGLang's field (the pinned SGLang
+        fails the call when it cannot flush because requests still hold KV)."""
+        body: dict[str, Any] = {"model_path": path, "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         targets = await self._update_targets()
         return list(await asyncio.gather(*(self._request(s, "POST", "/update_weights_from_disk", body)
                                            for s in targets)))
 
-    async def init_weights_update_group(self, sender: Any) -> None:
-        """Join every server to ``sender``'s group (ranks 1..N) while the sender hosts rank 0."""
+    async def _server_ranks(self, servers: list[_Server], ranks: dict[str, int] | None) -> None:
+        """Each server's rank count: from ``ranks`` ({url: ranks}) or its ``/get_server_info``
+        ``tp_size`` (SGLang's key)."""
+        given = {u.rstrip("/"): n for u, n in (ranks or {}).items()}
+        for server in servers:
+            if server.url in given:
+                server.ranks = int(given[server.url])
+            else:
+                info = await self._request(server, "GET", "/get_server_info")
+                server.ranks = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+    async def init_weights_update_group(self, sender: Any, ranks: dict[str, int] | None = None) -> None:
+        """Join every rank of every server to ``sender``'s group while the sender hosts rank 0:
+        server i's tensor-parallel rank r joins at ``rank_offset_i + r``, with rank_offset_0 = 1
+        and each next server after the last rank of the previous one. ``ranks`` = {url: number
+        of ranks}; a server not in it is asked (``/get_server_info``)."""
         targets = [s for s in self.servers if s.healthy and not s.retired]
-        if sender.world_size != len(targets) + 1:
-            raise ValueError(f"sender.world_size={sender.world_size}, but {len(targets)} servers + 1 trainer rank")
+        await self._server_ranks(targets, ranks)
+        world = 1 + sum(s.ranks for s in targets)
+        if sender.world_size != world:
+            raise ValueError(f"sender.world_size={sender.world_size}, but the servers have "
+                             f"{world - 1} ranks + 1 trainer rank")
         await self._join_group(sender, targets)
+
+    @staticmethod
+    def _rank_offsets(targets: list[_Server]) -> list[int]:
+        offsets, nxt = [], 1
+        for s in targets:
+            offsets.append(nxt)
+            nxt += s.ranks
+        return offsets
 
     async def _join_group(self, sender: Any, targets: list[_Server]) -> None:
         loop = asyncio.get_running_loop()
-        posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(i + 1))
-                 for i, s in enumerate(targets)]
+        posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(offset))
+                 for s, offset in zip(targets, self._rank_offsets(targets))]
         await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
         self._group_urls = [s.url for s in targets]
 
@@ -325,28 +354,53 @@ class InferenceClient:
                 await self._request(s, "POST", "/destroy_weights_update_group", {"group_name": sender.group_name})
             except ServerError:
                 pass  # never joined the old group
-        sender.reopen(world_size=len(targets) + 1)
+        sender.reopen(world_size=1 + sum(s.ranks for s in targets))
         await self._join_group(sender, targets)
 
+    async def _post_all(self, targets: list[_Server], path: str, body: dict[str, Any]) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))
+
     async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],
-                             weight_version: Any = None) -> int:
+                             weight_version: Any = None, flush_cache: bool = True) -> int:
         """Stream ``buckets`` through ``sender`` into every server; returns bytes sent.
 
-        The version is set with the last bucket, so tokens are never tagged with a
-        version whose weights have only partly arrived.
+        SGLang's session: ``/begin_weight_update``; per bucket ``/update_weights_from_distributed``
+        while the sender broadcasts; ``/end_weight_update`` (also after a failure, so the
+        servers are not left inside a session). The version and the cache flush go with the
+        last bucket only, so no token is tagged with a version whose weights are partly
+        loaded, and the cache is flushed once.
         """
-        from realscale.generate.weight_sync import bucket_meta
-
-        loop = asyncio.get_running_loop()
         targets = await self._update_targets()
         if [s.url for s in targets] != self._group_urls:
             await self._regroup(sender, targets)
+        await self._post_all(targets, "/begin_weight_update", {})
+        try:
+            sent = await self._send_buckets(sender, targets, buckets, weight_version, flush_cache)
+        except BaseException:
+            try:
+                await self._post_all(targets, "/end_weight_update", {})
+            except Exception as exc:  # noqa: BLE001 - the first failure is the one to report
+                log.warning("end_weight_update after a failed update: %r", exc)
+            raise
+        await self._post_all(targets, "/end_weight_update", {})
+        return sent
+
+    async def _send_buckets(self, sender: Any, targets: list[_Server], buckets: Iterable[list[tuple[str, Any]]],
+                            weight_version: Any, flush_cache: bool) -> int:
+        """The buckets of one update session; returns bytes sent."""
+        from realscale.generate.weight_sync import bucket_meta
+
+        loop = asyncio.get_running_loop()
         it = iter(buckets)
         bucket = next(it, None)
+        if bucket is None and weight_version is not None:  # nothing to send: only the version moves
+            await self._post_all(targets, "/update_weight_version",
+                                 {"new_version": str(weight_version), "abort_all_requests": False})
         sent = 0
         while bucket is not None:
             following = next(it, None)
-            body: dict[str, Any] = {**bucket_meta(bucket), "group_name": sender.group_name}
+            body: dict[str, Any] = {**bucket_meta(bucket), "group_name": sender.group_name,
+                                    "flush_cache": flush_cache and following is None}
             if following is None and weight_version is not None:
                 body["weight_version"] = str(weight_version)
             posts = [self._request(s, "POST", "/update_weights_from_distributed", body) for s in targets]

@@ -39,6 +39,16 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def running_abort(message: str | None = None, status_code: int | None = None) -> dict[str, Any]:
+    """SGLang's finish reason of an aborted running request (``FINISH_ABORT.to_json``)."""
+    return {"type": "abort", "message": message or "Aborted", "status_code": status_code, "err_type": None}
+
+
+def waiting_abort() -> dict[str, Any]:
+    """SGLang's finish reason of a request aborted in the waiting queue, before it ran."""
+    return {"type": "abort", "message": "Abort in waiting queue"}
+
+
 @dataclasses.dataclass
 class SamplingOptions:
     """The sampling parameters the engine honours (SGLang names and defaults)."""
@@ -136,7 +146,7 @@ class Engine:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         self.paused = mode
         if mode == "abort":
-            return self.abort(None, "paused for a weight update")
+            return self.abort(None)
         if mode == "retract":
             moved = list(self.running)
             self.running.clear()
@@ -149,17 +159,19 @@ class Engine:
     def resume(self) -> None:
         self.paused = None
 
-    def abort(self, rid: str | None, message: str = "aborted") -> int:
-        """Finish request ``rid`` (or all, if None) with an abort; returns how many."""
+    def abort(self, rid: str | None, message: str | None = None, status_code: int | None = None) -> int:
+        """Finish request ``rid`` (or all, if None) with an abort; returns how many. The
+        finish reasons are SGLang's: a running request's carries ``message`` (default
+        "Aborted") and ``status_code``; a waiting one's says it never ran."""
         count = 0
         for req in list(self.running):
             if rid is None or req.rid == rid:
-                self._finish_running(req, {"type": "abort", "message": message})
+                self._finish_running(req, running_abort(message, status_code))
                 count += 1
         for req in list(self.waiting):
             if rid is None or req.rid == rid:
                 self.waiting.remove(req)
-                self._resolve(req, {"type": "abort", "message": message})
+                self._resolve(req, waiting_abort())
                 count += 1
         return count
 

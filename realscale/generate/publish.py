@@ -171,15 +171,27 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
     return [int(x) for x in t.cpu().tolist()]
 
 
-class BroadcastTransport(WeightTransport):
-    """SGLang's protocol: rank 0 hosts a weight group with every server rank and
-    broadcasts HF-named full tensors, bucket by bucket (gathered from the trainer's shards
-    over TP and down the pipeline first)."""
+def flush_after_update(pause_mode: str) -> bool:
+    """Whether a weight update asks the servers to flush their cache. After an ``abort``
+    pause nothing holds KV and the prefix cache of the old weights must go; after
+    ``retract`` / ``in_place`` requests still wait or hold KV, and the pinned SGLang fails
+    an update whose flush it has to refuse (``flush_cache`` defaults to true there)."""
+    return pause_mode == "abort"
 
-    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights") -> None:
+
+class BroadcastTransport(WeightTransport):
+    """SGLang's protocol (the pinned version's, see :mod:`realscale.generate.weight_sync`):
+    rank 0 hosts a weight group of 1 + every rank of every server (server i's tp rank r at
+    ``rank_offset_i + r``) and, inside a begin/end update session, broadcasts HF-named full
+    tensors bucket by bucket (gathered from the trainer's shards over TP and down the
+    pipeline first); the version goes with the last bucket."""
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights",
+                 pause_mode: str = "abort") -> None:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
+        self.flush_cache = flush_after_update(pause_mode)
         self.sender: Any = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
@@ -189,10 +201,10 @@ class BroadcastTransport(WeightTransport):
         from realscale.launcher import advertise_host
         from realscale.parallel.spawn import free_port
 
-        ranks = sum(s.ranks for s in control.servers)
-        self.sender = WeightSender(advertise_host(), free_port(), world_size=ranks + 1,
+        ranks = {s.url: s.ranks for s in control.servers}
+        self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),
                                    group_name=self.group_name, backend=self.backend)
-        control.run(lambda c: c.init_weights_update_group(self.sender))
+        control.run(lambda c: c.init_weights_update_group(self.sender, ranks))
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
@@ -201,7 +213,8 @@ class BroadcastTransport(WeightTransport):
                 pass
             _sum_over_ranks([0, 0])
             return SyncStats()
-        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version))
+        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
+                                                      flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
@@ -218,9 +231,10 @@ class DiskTransport(WeightTransport):
     Only the newest two versions are kept (a server may still be reading the previous
     one when the next is written)."""
 
-    def __init__(self, out_dir: str, keep: int = 2) -> None:
+    def __init__(self, out_dir: str, keep: int = 2, pause_mode: str = "abort") -> None:
         self.root = os.path.join(out_dir, "weights")
         self.keep = keep
+        self.flush_cache = flush_after_update(pause_mode)
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -230,7 +244,8 @@ class DiskTransport(WeightTransport):
         engine.save_hf(path)
         written = 0
         if control is not None:
-            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version))
+            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version,
+                                                             flush_cache=self.flush_cache))
             written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
             self._prune(version)
         return SyncStats(bytes=written, lower_bound=written)
@@ -412,7 +427,7 @@ def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
     from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
-        return DiskTransport(out_dir)
+        return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
     if cfg.generate.backend == "embedded":
         return ReshardTransport(backend(cfg.parallel.backend))
-    return BroadcastTransport(backend(cfg.parallel.backend))
+    return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

@@ -104,9 +104,10 @@ def _publish(url_dir: str, index: int, url: str) -> None:
 def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
     """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
     free on this node now (a small race with other processes of the node)."""
-    from realscale.generate.sglang_launcher import sglang_command
+    from realscale.generate.sglang_launcher import check_sglang_version, sglang_command
     from realscale.launcher.dist_env import _free_port
 
+    check_sglang_version()
     port = _free_port()
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
     cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),

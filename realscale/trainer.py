@@ -33,6 +33,7 @@ from realscale.config import Config, config_from_dict
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
+from realscale.rollout.rewards import reward_pool_stats
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
 from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
 from realscale.train.engine import EngineConfig, MegatronEngine
@@ -141,6 +142,7 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+        stats.update(reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
         self.logger.log(self.step, stats)
 
     def _checkpoint_due(self) -> bool:

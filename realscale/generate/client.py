@@ -10,6 +10,11 @@
   ``finish_reason.type == "abort"`` (a pause for a weight update) is resubmitted as
   prompt + partial output with the remaining token budget, and tokens, log-probs and
   per-token policy versions are stitched into one :class:`GenerateResult`.
+
+What differs between server APIs (request and reply shapes, the pause and disk-load
+calls) is a :class:`Dialect`: SGLang's (also the embedded server's) here,
+vLLM's in :mod:`realscale.generate.vllm_dialect`; :func:`dialect_for` picks one by
+``generate.backend``. Routing, retries, retirement and stitching are shared.
 """
 
 from __future__ import annotations
@@ -61,6 +66,61 @@ class GenerateResult:
 
 
 @dataclasses.dataclass
+class Segment:
+    """One reply of a generate call: the tokens since the request (or the resubmission)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[Any]
+    finish_reason: dict[str, Any]  # {"type": "stop" | "length" | "abort", ...}
+    text: str = ""
+
+
+class Dialect:
+    """SGLang's HTTP API (``/generate``, ``/pause_generation``, ...), which the embedded
+    server speaks too. A server API that differs overrides these (vllm_dialect.py)."""
+
+    name = "sglang"
+    generate_path = "/generate"
+
+    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
+        return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+
+    def parse_generate(self, reply: dict[str, Any]) -> Segment:
+        meta = reply["meta_info"]
+        ids = list(reply["output_ids"])
+        current = parse_version(meta.get("weight_version"))
+        versions = [parse_version(v) for v in expand_spans(meta.get("weight_versions"), len(ids), current)]
+        return Segment(ids, [float(x[0]) for x in meta.get("output_token_logprobs", [])], versions,
+                       meta["finish_reason"] or {"type": "abort"}, reply.get("text") or "")
+
+    def pause(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
+        """The calls (path, body), in order, that pause a server in ``generate.pause_mode``."""
+        return [("/pause_generation", {"mode": mode})]
+
+    def resume(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
+        """The calls that resume a server paused in ``mode``."""
+        return [("/continue_generation", {})]
+
+    def load_from_disk(self, path: str, weight_version: Any,
+                       flush_cache: bool = True) -> list[tuple[str, dict[str, Any]]]:
+        """The calls (in order, to each server) that load an HF directory and tag it."""
+        body: dict[str, Any] = {"model_path": path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return [("/update_weights_from_disk", body)]
+
+
+def dialect_for(backend: str) -> Dialect:
+    """The dialect of ``generate.backend`` (embedded and sglang: SGLang's)."""
+    if backend == "vllm":
+        from realscale.generate.vllm_dialect import VllmDialect
+
+        return VllmDialect()
+    return Dialect()
+
+
+@dataclasses.dataclass
 class _Server:
     url: str
     healthy: bool = True
@@ -77,8 +137,10 @@ class InferenceClient:
 
     def __init__(self, urls: Iterable[str], *, request_timeout: float = 600.0, connect_timeout: float = 5.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
-                 max_interruptions: int = 100, pool_size: int = 256) -> None:
+                 max_interruptions: int = 100, pool_size: int = 256, dialect: Dialect | None = None) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.dialect = dialect or Dialect()
+        self._pause_mode = "abort"  # of the last pause: the dialect's resume may depend on it
         if not self.servers:
             raise ValueError("InferenceClient needs at least one server URL")
         self.request_timeout = request_timeout
@@ -253,18 +315,15 @@ class InferenceClient:
         text = ""
         while True:
             params["max_new_tokens"] = budget - len(out_ids)
-            body = {"input_ids": list(input_ids) + out_ids, "sampling_params": params, "return_logprob": True,
-                    "rid": f"{rid}-{interruptions}-{resends}"}
-            reply, tries = await self._routed("/generate", body)
+            body = self.dialect.generate_body(list(input_ids) + out_ids, params, f"{rid}-{interruptions}-{resends}")
+            reply, tries = await self._routed(self.dialect.generate_path, body)
             resends += tries
-            meta = reply["meta_info"]
-            ids = list(reply["output_ids"])
-            text += reply.get("text") or ""
-            out_ids += ids
-            out_lps += [float(x[0]) for x in meta.get("output_token_logprobs", [])]
-            current = parse_version(meta.get("weight_version"))
-            out_versions += [parse_version(v) for v in expand_spans(meta.get("weight_versions"), len(ids), current)]
-            reason = meta["finish_reason"] or {"type": "abort"}
+            seg = self.dialect.parse_generate(reply)
+            text += seg.text
+            out_ids += seg.ids
+            out_lps += seg.logprobs
+            out_versions += seg.versions
+            reason = seg.finish_reason
             if reason.get("type") != "abort" or len(out_ids) >= budget:
                 break
             interruptions += 1
@@ -290,21 +349,41 @@ class InferenceClient:
                 raise res
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._control("/pause_generation", {"mode": mode})
+        self._pause_mode = mode
+        for path, body in self.dialect.pause(mode):
+            await self._control(path, body)
 
     async def resume(self) -> None:
-        await self._control("/continue_generation", {})
+        for path, body in self.dialect.resume(self._pause_mode):
+            await self._control(path, body)
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None,
                                        flush_cache: bool = True) -> list[Any]:
         """Every server loads ``path``; ``flush_cache`` as SGLang's field (the pinned SGLang
-        fails the call when it cannot flush because requests still hold KV)."""
-        body: dict[str, Any] = {"model_path": path, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        fails the call when it cannot flush because requests still hold KV). The calls are
+        the dialect's (vLLM: ``reload_weights``; its KV follows the pause mode instead)."""
+        calls = self.dialect.load_from_disk(path, weight_version, flush_cache)
         targets = await self._update_targets()
-        return list(await asyncio.gather(*(self._request(s, "POST", "/update_weights_from_disk", body)
-                                           for s in targets)))
+
+        async def load(server: _Server) -> Any:
+            reply = None
+            for call_path, body in calls:
+                reply = await self._request(server, "POST", call_path, body)
+            return reply
+
+        return list(await asyncio.gather(*(load(s) for s in targets)))
+
+    async def update_targets(self) -> list[str]:
+        """URLs of the servers the next weight update goes to (module docstring: the dead
+        are retired first)."""
+        return [s.url for s in await self._update_targets()]
+
+    async def post(self, url: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """One control call to the server at ``url`` (weight-transfer handshakes)."""
+        server = next((s for s in self.servers if s.url == url.rstrip("/")), None)
+        if server is None:
+            raise ValueError(f"{url} is not one of this client's servers {[s.url for s in self.servers]}")
+        return await self._request(server, "POST", path, body, timeout=timeout)
 
     async def _server_ranks(self, servers: list[_Server], ranks: dict[str, int] | None) -> None:
         """Each server's rank count: from ``ranks`` ({url: ranks}) or its ``/get_server_info``

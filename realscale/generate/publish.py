@@ -21,8 +21,11 @@ Transports (how step 2 happens) are chosen by :func:`transport_for` from the con
   trainer ranks that hold it (no funnel through rank 0; on GPUs device to device).
 - :class:`BroadcastTransport` — SGLang's ``/update_weights_from_distributed``: HF-named
   full tensors gathered to trainer rank 0 and broadcast to every server rank.
+- :class:`VllmEngineTransport` — vLLM servers: vLLM's own trainer-side weight-transfer
+  engine (``nccl`` on GPUs, realscale's ``gloo`` on CPU: :mod:`realscale.generate.vllm_gloo`)
+  over every rank of every server.
 - :class:`DiskTransport` — an HF directory on shared storage, then
-  ``/update_weights_from_disk`` (the fallback; any server).
+  ``/update_weights_from_disk`` (vLLM: ``reload_weights``) (the fallback; any server).
 
 Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (the
 rollout controller's event loop and its HTTP client); the other ranks get ``None``.
@@ -226,6 +229,112 @@ class BroadcastTransport(WeightTransport):
             self.sender.close()
 
 
+class VllmEngineTransport(WeightTransport):
+    """vLLM's weight-transfer protocol, driven by vLLM's own trainer-side engine.
+
+    Every trainer rank builds the engine (``WeightTransferTrainerFactory.trainer_init``) and
+    calls ``send_weights`` each step: rank 0 hosts a group of 1 + every worker of every
+    server (server *i*'s workers join at ``1 + ranks of servers before it + their rank``)
+    and broadcasts HF-named full tensors; the other ranks replay the export (its gathers
+    are collectives). The control calls (init, start, update concurrently with the
+    broadcast, finish with the new version) go through
+    :class:`realscale.generate.vllm_dialect.VllmSyncClient`. ``engine_name`` is ``nccl`` on
+    GPUs and ``gloo`` on CPU: the same code path, only the group differs. A server that
+    stopped answering is retired by the client and the group rebuilt among the others
+    before the next round (a collective with a dead member never completes)."""
+
+    def __init__(self, engine_name: str, bucket_bytes: int = 64 << 20) -> None:
+        self.engine_name = engine_name
+        self.bucket_bytes = bucket_bytes
+        self.source: Any = None
+        self.client: Any = None
+        self.trainer_engine: Any = None
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        from realscale.generate.vllm_dialect import VllmSyncClient
+        from realscale.generate.vllm_plugin import register
+        from realscale.generate.vllm_source import MegatronWeightSource
+
+        register()
+        self.source = MegatronWeightSource(engine, self.bucket_bytes)
+        if control is not None:
+            self.client = VllmSyncClient(control, {s.url: s.ranks for s in control.servers})
+            self._open(control.run(lambda c: c.update_targets()))
+        else:
+            self.trainer_engine = self._trainer_init(rank=_rank(), world_size=0, port=0)
+
+    def _trainer_init(self, rank: int, world_size: int, port: int) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from realscale.launcher import advertise_host
+
+        info = _trainer_init_info(self.engine_name, rank=rank, master_address=advertise_host(),
+                                  master_port=port, world_size=world_size)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+
+    def _open(self, urls: list[str]) -> None:
+        """Rank 0: a new weight group among the servers at ``urls``."""
+        from realscale.parallel.spawn import free_port
+
+        self.client.members = list(urls)
+        self.trainer_engine = self._trainer_init(rank=0, world_size=self.client.world_size(urls),
+                                                 port=free_port())
+
+    def _regroup(self, urls: list[str]) -> None:
+        import logging
+
+        logging.getLogger(__name__).warning("vLLM weight group %s -> %s: rebuilding it", self.client.members, urls)
+        survivors = [u for u in self.client.members if u in urls]
+        self.client.members = survivors
+        try:
+            self.client.shutdown_weight_transfer_engine()
+        except Exception:  # noqa: BLE001 - a survivor that never joined has nothing to shut down
+            pass
+        self.trainer_engine.shutdown()
+        self._open(urls)
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        if control is not None:
+            urls = control.run(lambda c: c.update_targets())
+            if urls != self.client.members:
+                self._regroup(urls)
+            self.client.version = version
+        self.trainer_engine.send_weights()
+        if control is None:
+            _sum_over_ranks([0, 0])
+            return SyncStats()
+        receivers = self.client.world_size(self.client.members) - 1
+        delivered, bound = _sum_over_ranks([self.source.nbytes() * receivers,
+                                            engine.hf_weight_bytes() * len(self.client.members)])
+        return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def close(self) -> None:
+        if self.trainer_engine is not None:
+            self.trainer_engine.shutdown()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _trainer_init_info(engine_name: str, *, rank: int, master_address: str, master_port: int,
+                       world_size: int) -> Any:
+    """vLLM's trainer init info for ``engine_name`` (rank 0 is the sender)."""
+    if engine_name == "gloo":
+        from realscale.generate.vllm_gloo import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    if engine_name == "nccl":  # GPU only; not run on the CPU machine
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    raise ValueError(f"vLLM weight-transfer engine {engine_name!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+
+
 class DiskTransport(WeightTransport):
     """An HF directory per version under ``<run>/weights/``, loaded by every server.
     Only the newest two versions are kept (a server may still be reading the previous
@@ -423,11 +532,15 @@ def _check_megatron_order(engine: "MegatronEngine") -> None:
 
 def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
     """The transport ``generate.weight_update`` names: disk, or ``distributed`` = the
-    reshard transport for embedded servers and SGLang's broadcast for SGLang servers."""
+    reshard transport for embedded servers, vLLM's engine for vLLM, SGLang's broadcast for SGLang."""
     from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
         return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
     if cfg.generate.backend == "embedded":
         return ReshardTransport(backend(cfg.parallel.backend))
+    if cfg.generate.backend == "vllm":
+        from realscale.generate.vllm_server import weight_engine
+
+        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
     return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

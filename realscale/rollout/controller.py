@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from realscale.data.dataset import PromptSample
+from realscale.generate.client import dialect_for
 from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.types import Group
 from realscale.rollout.workflows import Workflow
@@ -155,7 +156,8 @@ class RolloutController:
         r = cfg.rollout
         return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
                    filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
-                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout},
+                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout,
+                                                   "dialect": dialect_for(cfg.generate.backend)},
                    max_ahead=r.max_ahead)
 
     # ================================================================== trainer API

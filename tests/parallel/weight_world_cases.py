@@ -140,3 +140,59 @@ def server_worker(model_dir: str, cases: list[tuple[str, list[dict]]], rdzv: tup
                             "hashes": tensor_hashes(spec, member.resharder.dst_idx, buf)})
             member.close()
     return out
+
+
+def trainer_into_servers(model_dir: str, layouts: list[str], servers: dict[str, list[tuple[str, int]]],
+                         steps: int = 2) -> list[dict]:
+    """The running path: for each trainer layout and each set of real embedded servers,
+    ReshardTransport.send as the trainer calls it, then (rank 0) every server rank's hash
+    per tensor (``/realscale/weight_hashes``) next to the trainer's exported weights sliced
+    for that rank and hashed the same way."""
+    import json
+    import urllib.request
+
+    import torch.distributed as dist
+
+    from realscale.generate.publish import ClientControl, ReshardTransport, ServerEndpoint
+    from realscale.generate.weight_world_routes import spec_full_from_hf
+    from realscale.generate.weights import tensor_hashes as server_hashes
+    from realscale.parallel.mesh import Strategy
+    from realscale.parallel.reshard import shard_index
+    from realscale.parallel.reshard_exec import pack_shard
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    rank, out, version = dist.get_rank(), [], 0
+    for strategy in layouts:
+        s = Strategy.parse(strategy)
+        engine = MegatronEngine(EngineConfig(model_dir, tp=s.tp, pp=s.pp, lr=None))
+        for dst, endpoints in servers.items():
+            control = ClientControl([ServerEndpoint(u, r) for u, r in endpoints]) if rank == 0 else None
+            transport = ReshardTransport("gloo", timeout_s=600)
+            transport.connect(engine, control)
+            for step in range(steps):
+                if step:
+                    perturb(engine, version)
+                version += 1
+                stats = transport.send(engine, version, control)
+                hf = {n: t for bucket in engine.export_hf_weights() for n, t in bucket}
+                if rank != 0:
+                    continue
+                spec, world = transport.member.spec, transport.member.world
+                full = spec_full_from_hf(spec, hf, engine.arch)
+                _, layout = world.layouts()
+                for i, (url, ranks) in enumerate(endpoints):
+                    with urllib.request.urlopen(url + "/realscale/weight_hashes", timeout=120) as resp:
+                        got = json.loads(resp.read())
+                    for k in range(ranks):
+                        gpu = world.server_offset(i) + k
+                        idx = shard_index(spec, layout, gpu)
+                        out.append({"case": f"{strategy} -> {dst} server {i} rank {k} step {step}",
+                                    "same": got["ranks"][k] == server_hashes(spec, idx, pack_shard(spec, layout, gpu,
+                                                                                                   full)),
+                                    "version": got["weight_version"] == str(version)})
+                out.append({"case": f"{strategy} -> {dst} step {step}", "bytes": stats.bytes,
+                            "lower_bound": stats.lower_bound})
+            transport.close()
+            if control is not None:
+                control.close()
+    return out

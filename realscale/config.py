@@ -410,6 +410,7 @@ class LaunchConfig:
     account: str = knob("", "Slurm account (empty: the user's default).")
     cpus_per_task: int = knob(0, "CPUs per task (sbatch --cpus-per-task; 0: Slurm's default).")
     ntasks: int = knob(0, "CPU jobs: tasks of the allocation (0: the trainer world size).")
+    oversubscribe: bool = knob(False, "CPU runs with a plan: allow more trainer + server ranks than CPU cores (slow; small test machines). GPU runs never oversubscribe.")
     signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
     requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
     check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")

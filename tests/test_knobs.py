@@ -186,6 +186,7 @@ CONSUMERS: dict[str, str] = {
     "launch.nccl": "realscale.launcher.slurm:SlurmBackend.__init__",
     "launch.env": "realscale.launcher.slurm:SlurmBackend.__init__",
     "launch.sbatch_extra": "realscale.launcher.render:render_sbatch",
+    "launch.oversubscribe": "realscale.planner.validate:check_capacity",
 }
 
 # Consumers that nothing else in the package calls, and why that is still a real path.

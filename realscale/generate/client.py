@@ -570,6 +570,23 @@ class InferenceClient:
             bucket = following
         return sent
 
+    # ------------------------------------------------------------------ weight world (ReshardTransport)
+
+    async def weight_targets(self) -> list[str]:
+        """URLs of the servers a weight update goes to, in server order: every one not
+        retired that answers /health now (one that does not is retired for good)."""
+        return [s.url for s in await self._update_targets()]
+
+    async def post_each(self, path: str, bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """POST ``bodies[url]`` to each of those servers at once; their replies by URL."""
+        by_url = {s.url: s for s in self.servers}
+        unknown = sorted(set(bodies) - set(by_url))
+        if unknown:
+            raise ValueError(f"{path}: not servers of this client: {unknown}")
+        urls = list(bodies)
+        replies = await asyncio.gather(*(self._request(by_url[u], "POST", path, bodies[u]) for u in urls))
+        return dict(zip(urls, replies))
+
     async def health(self) -> dict[str, bool]:
         """Probe every server now; updates rotation; returns ``{url: healthy}``."""
         oks = await asyncio.gather(*(self._probe(s) for s in self.servers))

@@ -15,6 +15,10 @@ protocol (every trainer rank calls it after the optimizer step, in the same orde
 
 Transports (how step 2 happens) are chosen by :func:`transport_for` from the config:
 
+- :class:`ReshardTransport` — the embedded servers: one *weight world* (every trainer
+  rank and every server rank, :mod:`realscale.parallel.weight_world`), and each step the
+  resharder moves each server rank exactly its Megatron-layout shard, straight from the
+  trainer ranks that hold it (no funnel through rank 0; on GPUs device to device).
 - :class:`BroadcastTransport` — SGLang's ``/update_weights_from_distributed``: HF-named
   full tensors gathered to trainer rank 0 and broadcast to every server rank.
 - :class:`VllmEngineTransport` — vLLM servers: vLLM's own trainer-side weight-transfer
@@ -96,6 +100,47 @@ class ServerControl:
         self.controller.set_version(version)
         self.run(lambda c: c.resume())
         self.controller.resume()
+
+
+class ClientControl(ServerControl):
+    """A :class:`ServerControl` with no rollout controller: an
+    :class:`~realscale.generate.client.InferenceClient` on a loop thread of its own
+    (benchmarks and tests drive transports through it exactly as the trainer does)."""
+
+    def __init__(self, servers: list[ServerEndpoint], request_timeout: float = 600.0) -> None:
+        import asyncio
+        import threading
+
+        from realscale.generate.client import InferenceClient
+
+        self.servers = servers
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="client-control", daemon=True)
+        self.thread.start()
+        self.client = InferenceClient([s.url for s in servers], request_timeout=request_timeout)
+        asyncio.run_coroutine_threadsafe(self.client.start(), self.loop).result(60)
+
+    def submit(self, fn: Coro) -> "Future[Any]":
+        import asyncio
+
+        async def call() -> Any:
+            return await fn(self.client)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop)
+
+    def run(self, fn: Coro, timeout: float | None = 600.0) -> Any:
+        return self.submit(fn).result(timeout)
+
+    def pause(self, mode: str) -> None:
+        self.run(lambda c: c.pause(mode))
+
+    def resume(self, version: int) -> None:
+        self.run(lambda c: c.resume())
+
+    def close(self) -> None:
+        self.run(lambda c: c.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 class WeightTransport(abc.ABC):
@@ -355,12 +400,151 @@ class WeightPublisher:
         self.transport.close()
 
 
+class ReshardTransport(WeightTransport):
+    """The resharder over the weight world (trainer ranks ``[0, T)`` + server ranks).
+
+    Each ``send``: (1) rank 0 asks which servers are alive (a dead one is retired); on the
+    first step, or when that set changed, it hosts a new world's store (OS-picked port),
+    has every server check the world (``/realscale/join_weight_world`` with
+    ``check_only``), and every trainer rank learns the world
+    (:class:`~realscale.parallel.weight_world.WorldSpec`); then the servers join over HTTP
+    (every server rank at ``rank_offset + tp_rank``) while every trainer rank joins, and
+    all compute the same plan from the two layouts. (2) Each trainer rank packs its
+    Megatron shards into its flat source buffer. (3) Rank 0 asks the servers to receive
+    (``/realscale/update_weights_reshard``) while every trainer rank sends its part. A
+    server carries the new version only once all its ranks have every byte; ``bytes``
+    is what the server ranks report receiving.
+    """
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, timeout_s: float = 600.0) -> None:
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.member: Any = None  # realscale.parallel.weight_world.WorldMember
+        self.members: list[str] = []  # server URLs of the current world, in rank order
+        self.spec: Any = None
+        self.src_buf: Any = None
+        self.store: Any = None  # rank 0: the weight world's TCPStore
+        self.rebuilds = 0
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        from realscale.parallel.model_spec import spec_from_hf_config
+
+        itemsize = engine.config.params_dtype.itemsize
+        self.spec = spec_from_hf_config(engine.hf_config, itemsize=itemsize)
+        _check_megatron_order(engine)
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        import torch.distributed as dist
+
+        from realscale.models.convert import local_params
+        from realscale.parallel.weight_world import pack_megatron
+
+        world = self._agree_on_world(engine, control)
+        if world is not None:
+            self._join(world, control)
+        src, _ = self.member.world.layouts()
+        pack_megatron(local_params(engine.model), self.spec, src, dist.get_rank(), self.src_buf)
+        pending = None
+        if control is not None:
+            body = {"name": self.member.world.name, "weight_version": str(version)}
+            pending = control.submit(lambda c: c.post_each("/realscale/update_weights_reshard",
+                                                           {u: body for u in self.members}))
+        self.member.send(self.src_buf)
+        if pending is None:
+            return SyncStats()
+        replies = pending.result(timeout=self.timeout_s)
+        delivered = sum(sum(r["recv_bytes"]) for r in replies.values())
+        return SyncStats(bytes=delivered, lower_bound=self.member.lower_bound_bytes(),
+                         extra={"perf/weight_sync_rebuilds": float(self.rebuilds)})
+
+    def _agree_on_world(self, engine: "MegatronEngine", control: ServerControl | None) -> Any:
+        """Rank 0 decides whether the servers of the world changed (first step, or a server
+        died); every trainer rank gets the new world, or None when nothing changed."""
+        import torch.distributed as dist
+
+        from realscale.parallel.weight_world import WorldSpec, host_store, spec_digest
+
+        holder: list[Any] = [None]
+        if control is not None:
+            alive = control.run(lambda c: c.weight_targets())
+            if self.member is None or alive != self.members:
+                from realscale.launcher import advertise_host
+
+                ranks = {s.url: s.ranks for s in control.servers}
+                r = engine.ranks
+                self.rebuilds += self.member is not None
+                n = r.dp * r.tp * r.pp + sum(ranks[u] for u in alive)
+                self.store = host_store(advertise_host(), n, self.timeout_s)
+                world = WorldSpec(advertise_host(), self.store.port, f"realscale-weights-{self.rebuilds}",
+                                  self.backend, f"d{r.dp}t{r.tp}p{r.pp}", [ranks[u] for u in alive],
+                                  str(engine.config.params_dtype).removeprefix("torch."), spec_digest(self.spec),
+                                  self.bucket_bytes, self.timeout_s)
+                # every server validates the world first: a mismatch is an error, not a hang
+                control.run(lambda c: c.post_each("/realscale/join_weight_world", _join_bodies(world, alive, True)))
+                holder[0] = (alive, world)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        if holder[0] is None:
+            return None
+        self.members = list(holder[0][0])
+        return holder[0][1]
+
+    def _join(self, world: Any, control: ServerControl | None) -> None:
+        """Leave the old world; rank 0 asks every server to join the new one while every
+        trainer rank joins it (building the group blocks until all have)."""
+        import torch.distributed as dist
+
+        from realscale.parallel.device import comm_empty
+        from realscale.parallel.weight_world import WorldMember
+
+        if self.member is not None:
+            self.member.close()
+        pending = None
+        if control is not None:
+            bodies = _join_bodies(world, self.members, False)
+            pending = control.submit(lambda c: c.post_each("/realscale/join_weight_world", bodies))
+        try:
+            self.member = WorldMember(world, dist.get_rank(), self.spec, self.store if control is not None else None)
+        finally:
+            if pending is not None:
+                pending.result(timeout=self.timeout_s)  # a server's refusal surfaces here
+        n = self.member.resharder.src_idx.numel
+        self.src_buf = comm_empty(n, self.member.dtype, world.backend)
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+
+
+def _join_bodies(world: Any, urls: list[str], check_only: bool) -> dict[str, dict[str, Any]]:
+    """``/realscale/join_weight_world`` bodies: server i joins at its rank offset."""
+    return {u: {"world": world.to_json(), "rank_offset": world.server_offset(i), "check_only": check_only}
+            for i, u in enumerate(urls)}
+
+
+def _check_megatron_order(engine: "MegatronEngine") -> None:
+    """The weight world numbers trainer ranks in Megatron's order (tp fastest, then dp,
+    then pp): the global rank must be that, or the plan would read the wrong shards."""
+    import torch.distributed as dist
+
+    r = engine.ranks
+    expected = r.pp_rank * r.tp * r.dp + r.dp_rank * r.tp + r.tp_rank
+    if dist.get_rank() != expected:
+        raise RuntimeError(f"trainer rank {dist.get_rank()} is (dp={r.dp_rank}, tp={r.tp_rank}, pp={r.pp_rank}), "
+                           f"which Megatron's tp-dp-pp order numbers {expected}; the weight world needs that order")
+
+
 def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
-    """The transport ``generate.weight_update`` names."""
+    """The transport ``generate.weight_update`` names: disk, or ``distributed`` = the
+    reshard transport for embedded servers, vLLM's engine for vLLM, SGLang's broadcast for SGLang."""
     from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
         return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
+    if cfg.generate.backend == "embedded":
+        return ReshardTransport(backend(cfg.parallel.backend))
     if cfg.generate.backend == "vllm":
         from realscale.generate.vllm_server import weight_engine
 

@@ -42,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from realscale.generate import protocol as P
+from realscale.generate import weight_world_routes
 from realscale.generate.engine import Engine, Request, running_abort
 from realscale.generate.ranks import ServerRanks
 from realscale.generate.weight_sync import FLATTENED
@@ -125,6 +126,7 @@ class EmbeddedServer:
             r.add_get(path, self.get_model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.get_server_info)
+        weight_world_routes.register(app, self)  # /realscale/*_weight_world, update_weights_reshard
         app.on_cleanup.append(self._cleanup)
         return app
 

@@ -48,10 +48,14 @@ class ServerProc:
 
 def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
                   max_running: int = 32, context_length: int = 2048, seed: int = 0, tp: int = 1,
-                  timeout: float = 180.0) -> list[ServerProc]:
-    """``num`` embedded generation servers (``realscale serve``) of ``tp`` ranks with
-    ``threads`` torch threads each, each on a free port, logging to
-    ``log_dir/server<i>.log``; returns once every one answers /health."""
+                  timeout: float = 180.0, first_gpu: int | None = None) -> list[ServerProc]:
+    """``num`` embedded generation servers (``realscale serve``) of ``tp`` ranks each (one
+    torch thread per rank unless ``threads``), each on a free port, logging to
+    ``log_dir/server<i>.log``; returns once every one answers /health. ``first_gpu``: on a
+    GPU machine, server i's ranks use GPUs ``first_gpu + i*tp`` onwards
+    (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
+    from realscale.parallel.device import devices_of_server
+
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i in range(num):
@@ -59,10 +63,16 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
         log_path = os.path.join(log_dir, f"server{i}.log")
         cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
                "--threads", str(threads), "--max-running", str(max_running), "--context-length",
-               str(context_length), "--seed", str(seed + i), "--tp", str(tp)]
+               str(context_length), "--seed", str(seed + i)]
+        if tp > 1:
+            cmd += ["--tp", str(tp)]
+        env = dict(os.environ)
+        if first_gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices_of_server(first_gpu + i * tp, tp)
+            cmd += ["--device", "cuda"]
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, env=env)
         servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
     try:
         for s in servers:
@@ -228,22 +238,36 @@ class LocalBackend:
         self.ranks = RankGroup()
 
     def prepare(self) -> None:
+        """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`)."""
+        from realscale.config import ConfigError
+        from realscale.planner.validate import check_capacity, local_slots
+
+        if self.cfg.parallel.plan:
+            slots, unit, gpus = local_slots()
+            try:
+                check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
+            except ConfigError as exc:
+                raise LaunchError(str(exc)) from None
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+        from realscale.parallel.device import cuda_usable
+
         g = self.cfg.generate
         if g.backend == "vllm":
             self.servers = start_vllm_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
                                               dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout)
             return [s.url for s in self.servers]
+        # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
+        first_gpu = self.cfg.parallel.world_size if cuda_usable() and g.backend == "embedded" else None
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,
-                                     max_running=g.max_running_requests, tp=g.tp)
+                                     max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
         return [s.url for s in self.servers]
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
-        # each rank of each embedded server runs one torch thread (start_servers' default);
-        # each vLLM server rank generate.cpu_threads
+        # each embedded server rank runs one torch thread (start_servers' default); each vLLM
+        # server rank generate.cpu_threads
         g = self.cfg.generate
         busy = len(self.servers) * g.tp * (g.cpu_threads if g.backend == "vllm" else 1)
         self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))

@@ -14,7 +14,14 @@ Rules:
   group exists, as NCCL requires.
 - ``comm_device(backend)``: where a tensor must live to enter a collective of that
   backend (NCCL: the current CUDA device; gloo: CPU). Every buffer a collective touches
-  is allocated or moved there through :func:`to_comm`.
+  is allocated there (:func:`comm_empty`) or moved there (:func:`to_comm`): the weight
+  sender's buckets, the pipeline export's receive buffers, the resharder's buffers.
+- ``group_backend(group)``: the backend of a process group, also of one built directly
+  from a store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``, which torch.distributed's
+  own ``get_backend`` does not know).
+- ``devices_of_server(first_gpu, ranks)``: which GPUs a generation server's ranks use
+  on a local GPU machine (``CUDA_VISIBLE_DEVICES`` of its process); trainer rank ``r``
+  uses GPU ``r`` (:func:`local_device`), servers the GPUs after the trainer's.
 """
 
 from __future__ import annotations
@@ -68,6 +75,30 @@ def comm_device(backend_name: str) -> Any:
 def to_comm(tensor: Any, backend_name: str) -> Any:
     """``tensor`` on the device a collective of ``backend_name`` needs, contiguous."""
     return tensor.to(comm_device(backend_name), non_blocking=False).contiguous()
+
+
+def comm_empty(numel: int, dtype: Any, backend_name: str) -> Any:
+    """An uninitialised 1-D buffer where a collective of ``backend_name`` can use it."""
+    import torch
+
+    return torch.empty(numel, dtype=dtype, device=comm_device(backend_name))
+
+
+def group_backend(group: Any) -> str:
+    """``"nccl"`` or ``"gloo"`` for a process group (torch.distributed's, or one made from a store)."""
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroupGloo):
+        return "gloo"
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+    if nccl is not None and isinstance(group, nccl):
+        return "nccl"
+    return str(dist.get_backend(group))
+
+
+def devices_of_server(first_gpu: int, ranks: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a local generation server whose ranks start at GPU ``first_gpu``."""
+    return ",".join(str(first_gpu + k) for k in range(ranks))
 
 
 def init_distributed(requested: str = "auto") -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from realscale.parallel.device import local_device
+from realscale.parallel.device import local_device, to_comm
 from realscale.train.batch import PackedBatch, block_causal_mask
 
 if TYPE_CHECKING:
@@ -345,8 +345,9 @@ class MegatronEngine:
 
         if self.ec.pp == 1:
             return tensor
-        dist.broadcast(tensor, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
-        return tensor
+        t = to_comm(tensor, dist.get_backend())  # NCCL: collectives take tensors on this GPU
+        dist.broadcast(t, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
+        return t.cpu()
 
     def train_step(self, batch: PackedBatch, loss_fn: LossFn, normalizer_fn: NormalizerFn = masked_tokens
                    ) -> dict[str, float]:
@@ -364,11 +365,12 @@ class MegatronEngine:
         self.module.train()
         mbs, _ = self._micro_batches(batch)
         local_norm = torch.stack([normalizer_fn(mb).double() for mb in mbs]).sum()
-        total_norm = local_norm.clone()
-        tokens = torch.tensor([float(batch.num_tokens)], dtype=torch.float64)
+        total_norm = to_comm(local_norm.clone(), dist.get_backend())
+        tokens = to_comm(torch.tensor([float(batch.num_tokens)], dtype=torch.float64), dist.get_backend())
         if self.ranks.dp > 1:
             dist.all_reduce(total_norm, group=self.ranks.dp_group)
             dist.all_reduce(tokens, group=self.ranks.dp_group)
+        total_norm, tokens = total_norm.cpu(), tokens.cpu()
         normalizer = total_norm.float().clamp(min=1.0)
         scale = len(mbs) * self.ranks.dp  # undo megatron's 1/num_microbatches and DDP's 1/dp
 
@@ -407,10 +409,13 @@ class MegatronEngine:
             for i, key in enumerate(keys):
                 vals = torch.stack([r[key].double().reshape(()) for r in results])
                 vec[i] = vals.sum() if key == "loss" else vals.mean()
+        vec = to_comm(vec, dist.get_backend())
         if self.ec.pp > 1:
             dist.broadcast(vec, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
         if self.ranks.dp > 1:
             dist.all_reduce(vec, group=self.ranks.dp_group)
+        vec = vec.cpu()
+        if self.ranks.dp > 1:
             for i, key in enumerate(keys):
                 if key != "loss":
                     vec[i] /= self.ranks.dp

@@ -85,6 +85,7 @@ def _rank(method: str, size: str, tp: int, pp: int, repeats: int, areal_scale: f
     import torch
     import torch.distributed as dist
 
+    from realscale.config import AlgoConfig
     from realscale.parallel.batch_scatter import BatchScatter
     from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
     from realscale.train.actor import split_for_dp, stage_needs
@@ -93,7 +94,7 @@ def _rank(method: str, size: str, tp: int, pp: int, repeats: int, areal_scale: f
     r = rank_info()
     driver = dist.get_rank() == 0
     batch = make_batch(size, areal_scale) if driver else None
-    scatter = BatchScatter(r, stage_needs())
+    scatter = BatchScatter(r, stage_needs(AlgoConfig()))
     rss_batch = _rss_mb()
     times, moved = [], 0
     for _ in range(repeats):

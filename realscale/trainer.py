@@ -8,11 +8,13 @@ servers within the staleness bound η. The driver holds the servers' control. Th
 step:
 
 1. **batch** — the controller hands over B accepted groups, packed with GRPO/LOO
-   advantages (waiting for rollouts if needed); the driver splits every mini-batch into
-   token-balanced data-parallel shares, and each rank receives only its share, only the
-   parts its pipeline stage reads (:mod:`realscale.parallel.batch_scatter`);
+   advantages (GAE: token rewards), waiting for rollouts if needed; the driver splits
+   every mini-batch into token-balanced data-parallel shares, and each rank receives only
+   its share, only the parts its pipeline stage reads (:mod:`realscale.parallel.batch_scatter`);
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
-   data-parallel rank on its share;
+   data-parallel rank on its share; with GAE the critic
+   (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
+   value-loss steps after;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -28,21 +30,27 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
-from realscale.rollout.controller import client_factory
 from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
 from realscale.parallel.device import init_distributed
 from realscale.parallel.rank_metrics import ComputeClock, gather_figures, step_figures
+from realscale.rollout.controller import client_factory
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
-from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
+from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoint, record_trained,
+                                        rotate_checkpoints, save_checkpoint, truncate_logs)
+from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
+
+if TYPE_CHECKING:
+    from realscale.metrics import MetricsLogger
+    from realscale.rollout.process import Rollouts
 
 
 class Trainer:
@@ -53,24 +61,30 @@ class Trainer:
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
-        self.scatter = BatchScatter(self.engine.ranks, stage_needs())
-        self.clock = ComputeClock(self.engine.config)
+        self.critic: CriticEngine | None = None
+        if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
+            self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
+        self.scatter = BatchScatter(self.engine.ranks, stage_needs(cfg.algo))
+        self.clock = ComputeClock(self.engine.config, *([self.critic.config] if self.critic else []))
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
         if self.resumed_from:
             extra = self.engine.load(self.resumed_from)
             self.step, self.version = int(extra["step"]), int(extra["version"])
-        self.controller: Any = None
-        self.logger: Any = None
+            if self.critic is not None:
+                self.critic.load(critic_dir(self.resumed_from))
+        self.controller: Rollouts | None = None
+        self.logger: MetricsLogger | None = None
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls],
+            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls],
                                     client_factory(cfg, server_urls))
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
-    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]) -> tuple[Any, Any]:
+    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
+                      ) -> tuple["Rollouts", "MetricsLogger"]:
         """The rollouts (paused until the servers hold this run's weights) and the metrics
         logger; on resume, logs are cut back to the checkpoint's step."""
         from realscale.metrics import MetricsLogger
@@ -109,8 +123,9 @@ class Trainer:
         shares, stats, moved = self._next_batch()
         t_wait = time.perf_counter() - t0
         self.clock.seconds()  # compute timed from here: this step's update only
-        stats.update(update_policy(self.engine, shares, self.cfg))
+        stats.update(update_policy(self.engine, shares, self.cfg, self.critic))
         t_train = time.perf_counter() - t0 - t_wait
+        # every rank's transfer and compute figures, gathered: does rank 0 hold the others up?
         stats.update(step_figures(gather_figures({**moved.local(), "compute_s": self.clock.seconds()})))
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))
@@ -136,7 +151,7 @@ class Trainer:
         """This rank's share of every mini-batch of the next B groups."""
         split, stats = None, {}
         if self.is_driver:
-            rollouts = self.controller.next_batch(self.cfg.rollout.batch_size, timeout=self.cfg.generate.request_timeout)
+            rollouts = self.controller.next_batch(self.cfg.rollout.batch_size, self.version)
             record_trained(self.out_dir, self.step + 1, rollouts.uids)
             split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
             stats = rollouts.stats
@@ -150,6 +165,8 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+        stats.update(self.controller.reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
+        stats.update(disk_usage(self.out_dir))
         self.logger.log(self.step, stats)
 
     def _checkpoint_due(self) -> bool:
@@ -160,7 +177,9 @@ class Trainer:
         extra: dict[str, Any] = {"step": self.step, "version": self.version}
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
-        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver)
+        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver, critic=self.critic)
+        if self.is_driver:  # bounded storage: the new checkpoint is complete, older ones may go
+            rotate_checkpoints(self.out_dir, self.cfg.run.keep_checkpoints, self.cfg.run.pin_checkpoints)
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

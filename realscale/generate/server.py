@@ -11,6 +11,18 @@ Endpoints (SGLang's names, bodies and reply shapes; see :mod:`realscale.generate
 honour gets HTTP 400 with ``{"error": "..."}`` naming the field (the weight routes add
 SGLang's ``success``/``message``); unknown paths 404 and wrong methods 405, also as JSON.
 
+A server has ``tp`` tensor-parallel ranks (:mod:`realscale.generate.ranks`; this process
+is rank 0). Weight routes run on every rank through ``ranks.call_all``, as SGLang runs
+them on every TP worker: ``/init_weights_update_group`` joins rank ``rank_offset +
+tp_rank`` of the group (so ``world_size`` counts every rank of every server plus the
+sender), ``/update_weights_from_distributed`` receives the broadcast full HF tensors on
+every rank and keeps each rank's shard, ``/update_weights_from_disk`` loads each rank's
+shard. Like SGLang's, these run in the scheduler between forward passes, so generation
+waits while a weight group forms or a bucket arrives (the trainer pauses the servers for
+an update anyway). ``GET /realscale/weight_hashes`` (ours, for tests) returns every rank's
+hash per tensor of its flat weight buffer. If a rank dies, ``/health`` answers 503 and,
+under :func:`serve`, the process exits with a log line saying which rank died.
+
 Departures from SGLang, on purpose: ``/health_generate`` answers 200 while the server
 is paused or busy if the scheduler is alive (SGLang would queue its probe behind the
 pause); ``n > 1``, penalties, grammars, multimodal inputs, LoRA, input-token log-probs
@@ -20,8 +32,6 @@ and the other features :mod:`~realscale.generate.protocol` lists are refused wit
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import glob
 import json
 import logging
 import os
@@ -32,8 +42,10 @@ from typing import Any
 from aiohttp import web
 
 from realscale.generate import protocol as P
+from realscale.generate import weight_world_routes
 from realscale.generate.engine import Engine, Request, running_abort
-from realscale.generate.weight_sync import FLATTENED, WeightReceiver
+from realscale.generate.ranks import ServerRanks
+from realscale.generate.weight_sync import FLATTENED
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +54,10 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
                  "queued. Retract or finish them, then call /flush_cache.")
 
 
-def load_safetensors_dir(path: str) -> list[tuple[str, Any]]:
-    """Every tensor of every ``*.safetensors`` file in ``path``, HF names."""
-    from safetensors.torch import load_file
+def _max_positions(model_dir: str) -> int:
+    from realscale.generate.weights import read_hf_config
 
-    if not os.path.isdir(path):
-        raise ValueError(f"model_path {path!r} is not a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model_path {path!r} holds no *.safetensors files")
-    named: list[tuple[str, Any]] = []
-    for f in files:
-        named.extend(load_file(f).items())
-    return named
+    return int(read_hf_config(model_dir).get("max_position_embeddings", 2048))
 
 
 class EmbeddedServer:
@@ -62,33 +65,39 @@ class EmbeddedServer:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_running: int = 32,
                  context_length: int = 0, weight_version: str = "0", seed: int = 0,
-                 default_max_new_tokens: int = 128) -> None:
+                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1) -> None:
+        """``tp`` ranks (this process and ``tp - 1`` spawned ones, ``threads`` torch
+        threads each; this process's own thread count is the caller's)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from realscale.models.tiny import resolve_model_path
 
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
-        model = model.to(device).eval()
-        max_pos = int(getattr(model.config, "max_position_embeddings", 2048))
-        self.context_length = min(context_length or 2048, max_pos)
-        eos = model.config.eos_token_id
+        self.context_length = min(context_length or 2048, _max_positions(self.model_path))
+        self.ranks = ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
+                                 max_slots=max_running, max_len=self.context_length, threads=threads)
+        assert self.ranks.worker is not None
+        self.hf_config = self.ranks.worker.hf_config
+        eos = self.hf_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
-        self.engine = Engine(model, self.tokenizer, max_running=max_running, context_length=self.context_length,
+        self.engine = Engine(self.ranks, self.tokenizer, max_running=max_running, context_length=self.context_length,
                              weight_version=weight_version, seed=seed, eos_token_ids=eos_ids)
-        self.device = torch.device(device)
-        self.receiver = WeightReceiver()
-        self.ranks = 1  # tensor-parallel ranks of this server
+        self.ranks.on_failure = self._rank_failed
+        self.on_failure: Any = None  # what serve() adds: exit the process
+        self.device = self.ranks.device
         self.weight_session: str | None = None  # the selector of the open /begin_weight_update session
         self.default_max_new_tokens = default_max_new_tokens
         self.args = {"model_path": self.model_path, "device": device, "dtype": dtype, "max_running_requests": max_running,
                      "context_length": self.context_length, "random_seed": seed}
-        # Blocking work (weight rendezvous, receives, disk reads) runs here, off the event loop.
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="realscale-io")
+
+    def _rank_failed(self, reason: str) -> None:
+        self.engine.fail(reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     # ------------------------------------------------------------------ app
 
@@ -107,6 +116,7 @@ class EmbeddedServer:
         r.add_post("/begin_weight_update", self.begin_weight_update)
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_get("/realscale/weight_hashes", self.weight_hashes)
         for method in ("GET", "POST"):
             r.add_route(method, "/flush_cache", self.flush_cache)
         r.add_get("/health", self.health)
@@ -116,19 +126,20 @@ class EmbeddedServer:
             r.add_get(path, self.get_model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.get_server_info)
+        weight_world_routes.register(app, self)  # /realscale/*_weight_world, update_weights_reshard
         app.on_cleanup.append(self._cleanup)
         return app
 
     async def _cleanup(self, app: web.Application) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the scheduler and the ranks (a server used without HTTP calls this)."""
         self.engine.shutdown()
-        self.receiver.close()  # frees the group names for a later server in this process
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.ranks.shutdown()  # rank 0's weight groups too: frees their names in this process
 
     async def _engine_call(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.engine.call(fn))
-
-    async def _blocking(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ------------------------------------------------------------------ generation
 
@@ -266,13 +277,18 @@ class EmbeddedServer:
     # (clients send it with the last bucket) and, with flush_cache (the default), fails
     # when requests that hold KV of the old weights are still there, as SGLang 0.5.23 does.
 
-    async def _load(self, named: list[tuple[str, Any]], version: str | None, abort_all: bool) -> int:
-        def swap() -> int:
+    async def _on_all_ranks(self, method: str, *args: Any, version: str | None = None,
+                            abort_all: bool = False) -> list[Any]:
+        """``ranks.call_all(method, *args)`` between forward passes; then tag ``version``."""
+        def run() -> list[Any]:
             if abort_all:
                 self.engine.abort(None)
-            return self.engine.load_weights(named, version)
+            out = self.ranks.call_all(method, *args)
+            if version is not None:
+                self.engine.weight_version = version
+            return out
 
-        return await self._engine_call(swap)
+        return await self._engine_call(run)
 
     async def _cache_busy(self) -> bool:
         """Whether a cache flush would be refused: running requests, or waiting ones that
@@ -300,19 +316,17 @@ class EmbeddedServer:
         path = P.require(body, "model_path", (str,), what)
         version = P.optional(body, "weight_version", (str, int), what)
         abort_all = P.optional(body, "abort_all_requests", (bool,), what, False)
+        if not os.path.isdir(path):
+            return _failure(f"{what}: model_path {path!r} is not a directory", num_paused_requests=0)
         try:
-            named = await self._blocking(load_safetensors_dir, path)
-            await self._load(named, None if version is None else str(version), abort_all)
-        except (ValueError, KeyError, OSError) as exc:
+            await self._on_all_ranks("load_weights_from_disk", path, abort_all=abort_all,
+                                     version=None if version is None else str(version))
+        except RuntimeError as exc:
             return _failure(f"{what}: {exc}", num_paused_requests=0)
         if await self._flush_refused(body):
             return _failure(FLUSH_REFUSED, num_paused_requests=0)
         return web.json_response({"success": True, "num_paused_requests": 0,
                                   "message": self._updated("Succeeded to update model weights.", version)})
-
-    def _join(self, addr: str, port: int, rank_offset: int, world: int, group: str, backend: str) -> None:
-        """Every rank of this server joins at ``rank_offset + tp_rank`` (one rank here)."""
-        self.receiver.init_group(addr, port, rank_offset, world, group, backend, self.device)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         what = "init_weights_update_group"
@@ -325,12 +339,13 @@ class EmbeddedServer:
         backend = P.optional(body, "backend", (str,), what, "nccl")
         if backend == "nccl" and self.device.type != "cuda":
             backend = "gloo"  # SGLang's default names NCCL; a CPU server can only speak gloo
-        if not 0 < offset <= world - self.ranks:
-            raise P.ProtocolError(f"{what}.rank_offset: this server's {self.ranks} rank(s) join at rank_offset + "
+        if not 0 < offset <= world - self.ranks.tp:
+            raise P.ProtocolError(f"{what}.rank_offset: this server's {self.ranks.tp} rank(s) join at rank_offset + "
                                   f"tp_rank, which must lie in [1, world_size={world}); got rank_offset {offset}")
         try:
-            await self._blocking(self._join, addr, port, offset, world, group, backend)
-        except (ValueError, RuntimeError) as exc:
+            # every rank joins at rank_offset + tp_rank
+            await self._on_all_ranks("init_weights_group", addr, port, offset, world, group, backend)
+        except RuntimeError as exc:
             return _failure(f"Failed to initialize custom process group: {exc}.")
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -339,8 +354,8 @@ class EmbeddedServer:
         body = P.check_object(await _body(request), P.DESTROY_GROUP_FIELDS, what, strict=False)
         group = P.optional(body, "group_name", (str,), what, P.DEFAULT_GROUP)
         try:
-            self.receiver.destroy_group(group)
-        except ValueError:
+            await self._on_all_ranks("destroy_weights_group", group)
+        except RuntimeError:
             return _failure("The group to be destroyed does not exist.")
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
@@ -359,6 +374,10 @@ class EmbeddedServer:
         if self.weight_session is None:
             return _failure("no weight-update session is open; call begin_weight_update() first")
         self.weight_session = None
+        try:  # a fused tensor (q/k/v, gate/up) sent in part is an error, not silently kept old
+            await self._on_all_ranks("end_weight_update")
+        except RuntimeError as exc:
+            return _failure(f"end_weight_update: {exc}")
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
@@ -384,14 +403,24 @@ class EmbeddedServer:
             return _failure("update_weights_from_distributed must run between begin_weight_update() and "
                             "end_weight_update()")
         try:
-            named = await self._blocking(self.receiver.receive, names, dtypes, shapes, group, load_format)
-            await self._load(named, None if version is None else str(version), False)
-        except (ValueError, KeyError, RuntimeError) as exc:
+            # every rank receives the full tensors and keeps its shard
+            await self._on_all_ranks("receive_weights", names, dtypes, shapes, group, load_format,
+                                     version=None if version is None else str(version))
+        except RuntimeError as exc:
             return _failure(f"Failed to update parameter online: {exc}.")
         if await self._flush_refused(body):
             return _failure(FLUSH_REFUSED)
         return web.json_response({"success": True,
                                   "message": self._updated("Succeeded to update parameter online.", version)})
+
+    async def weight_hashes(self, request: web.Request) -> web.Response:
+        """Every rank's hash per tensor of its flat buffer (``realscale.generate.weights``)."""
+        try:
+            hashes = await self._on_all_ranks("weight_hashes")
+        except RuntimeError as exc:
+            return _failure(f"weight_hashes: {exc}")
+        return web.json_response({"tp_size": self.ranks.tp, "weight_version": self.engine.weight_version,
+                                  "ranks": hashes})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         what = "update_weight_version"
@@ -417,18 +446,25 @@ class EmbeddedServer:
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
                                  "running or waiting requests, the operation will not be performed.)\n")
 
-    async def health(self, request: web.Request) -> web.Response:
+    def _unhealthy(self) -> str | None:
+        if self.ranks.failure is not None:
+            return f"tensor-parallel ranks failed: {self.ranks.failure}"
         if not self.engine.alive():
-            return web.json_response({"error": "scheduler thread died"}, status=503)
+            return "scheduler thread died"
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        if (reason := self._unhealthy()) is not None:
+            return web.json_response({"error": reason}, status=503)
         return web.Response(status=200)
 
     async def ready(self, request: web.Request) -> web.Response:
         # SGLang: ready for new requests = healthy and not paused
-        return web.Response(status=200 if self.engine.alive() and not self.engine.paused else 503)
+        return web.Response(status=200 if self._unhealthy() is None and not self.engine.paused else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if not self.engine.alive():
-            return web.json_response({"error": "scheduler thread died"}, status=503)
+        if (reason := self._unhealthy()) is not None:
+            return web.json_response({"error": reason}, status=503)
         stats = self.engine.stats()
         if stats["paused"] or stats["num_running_reqs"]:
             return web.Response(status=200)
@@ -441,7 +477,7 @@ class EmbeddedServer:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        cfg = self.engine.model.config
+        cfg = self.hf_config
         return web.json_response({
             "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
@@ -456,12 +492,12 @@ class EmbeddedServer:
         stats = self.engine.stats()
         return web.json_response({
             **self.args, **stats, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
-            "tp_size": self.ranks, "dp_size": 1, "pp_size": 1, "max_context_length": self.context_length,
+            "tp_size": self.ranks.tp, "dp_size": 1, "pp_size": 1, "max_context_length": self.context_length,
             "max_req_input_len": self.context_length - 1, "max_total_num_tokens": self.engine.max_running
             * self.context_length, "internal_states": [stats], "incremental_streaming_output": False,
             "disaggregation_mode": "null", "vocab_size": self.engine.vocab_size,
             # the protocol spoken is the pinned SGLang's; "frontend" says it is not SGLang
-            "version": PINNED, "frontend": SERVER_VERSION,
+            "version": PINNED, "frontend": SERVER_VERSION, "realscale_rank_pids": self.ranks.pids(),
         })
 
 
@@ -496,10 +532,25 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         raise
 
 
-def serve(server: EmbeddedServer, host: str = "127.0.0.1", port: int = 30000) -> None:
-    """Run until interrupted; prints one line when ready."""
-    web.run_app(server.app(), host=host, port=port, print=None,
-                handle_signals=True, access_log=None)
+def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | None = 30000, sock: Any = None,
+          exit_grace: float = 2.0) -> int:
+    """Run until interrupted (or on ``sock``, a bound socket); returns the exit code: 1
+    when a rank died (the server answers ``/health`` with 503 for ``exit_grace`` seconds,
+    then exits, so launchers and clients route around it), else 0."""
+    import signal
+    import sys
+    import threading
+
+    def exit_soon(reason: str) -> None:
+        print(f"realscale serve: tensor-parallel {reason}; the server is unhealthy and exits", file=sys.stderr,
+              flush=True)
+        threading.Timer(exit_grace, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    server.on_failure = exit_soon
+    if sock is not None:
+        host = port = None
+    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None)
+    return 1 if server.ranks.failure is not None else 0
 
 
 def start_in_thread(server: EmbeddedServer, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Any]:

@@ -106,13 +106,16 @@ class WeightSender:
     """Trainer side (rank 0): host the group, then broadcast buckets to all servers."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", backend: str = "gloo", device: str = "cpu") -> None:
+                 group_name: str = "weight_update_group", backend: str = "gloo", device: str | None = None) -> None:
+        from realscale.parallel.device import comm_device
+
         self.master_address = master_address
         self.master_port = master_port
         self.world_size = world_size
         self.group_name = group_name
         self.backend = backend
-        self.device = torch.device(device)
+        # every bucket enters the broadcast where the backend needs it (NCCL: this GPU)
+        self.device = torch.device(device) if device is not None else comm_device(backend)
         self.group: Any = None
 
     def init_request(self, rank_offset: int) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def problem_for(cfg: Any) -> Any:
                         train_mb_tokens=cfg.train.max_tokens_per_micro_batch, minibatches=cfg.train.mini_batches,
                         max_staleness=cfg.rollout.max_staleness)
     return Problem(model_spec_for(cfg), Cluster(cfg.launch.nodes, cfg.launch.gpus_per_node), get_gpu(cfg.launch.gpu),
-                   workload, default_roles(ref=cfg.algo.kl_coef > 0))
+                   workload, default_roles(ref=cfg.algo.kl_coef > 0, critic=cfg.algo.adv_estimator == "gae"))
 
 
 def split_meshes(nodes: int, gpus_per_node: int, gen_fraction: float) -> tuple[Mesh, Mesh]:

@@ -28,15 +28,17 @@ COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 
 
 class ComputeClock:
-    """Forward/backward compute seconds of this rank, from megatron's schedule timers."""
+    """Forward/backward compute seconds of this rank, from megatron's schedule timers, over
+    every model it trains (the actor; with GAE the critic too: one clock on both configs)."""
 
-    def __init__(self, model_config: Any) -> None:
+    def __init__(self, *model_configs: Any) -> None:
         from megatron.core.timers import Timers
 
         self.timers = Timers(log_level=2, log_option="max")
-        model_config.timers = self.timers
-        # the schedule's whole-step timer would otherwise start with a global barrier
-        model_config.barrier_with_L1_time = False
+        for config in model_configs:
+            config.timers = self.timers
+            # the schedule's whole-step timer would otherwise start with a global barrier
+            config.barrier_with_L1_time = False
 
     def seconds(self) -> float:
         """Compute seconds since the previous call."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from realscale.errors import UserError
 
-class HardwareError(ValueError):
+
+class HardwareError(UserError):
     """An unknown GPU name or a malformed profile."""
 
 
@@ -40,6 +42,11 @@ PROFILES: dict[str, GPU] = {
     "H800": GPU("H800", 989.0, 80.0, 3.35, 200.0, 50.0),
     "H100": GPU("H100", 989.0, 80.0, 3.35, 450.0, 50.0),
     "H200": GPU("H200", 989.0, 141.0, 4.8, 450.0, 50.0),
+    # One CPU core as a "GPU": plans for a CPU machine (a 1-node "cluster" of N cores,
+    # `realscale plan --nodes 1 --gpus-per-node N --gpu cpu`). Rough assumptions for a
+    # recent x86 core (fp32 AVX2, a share of DRAM bandwidth, shared-memory gloo), not
+    # measurements; on one machine only the ranking of layouts matters.
+    "cpu": GPU("cpu", 0.1, 8.0, 0.01, 5.0, 1.0, 5.0),
 }
 
 

@@ -54,12 +54,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptSample
+from realscale.generate.client import dialect_for
 from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.types import Group
 from realscale.rollout.workflows import Workflow
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.data.dataset import PromptDataset
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ class RolloutController:
         self._stopped = False
 
     @classmethod
-    def from_config(cls, cfg: Any, client: Callable[[], Any] | Sequence[str], dataset: Any,
+    def from_config(cls, cfg: "Config", client: Callable[[], Any] | Sequence[str], dataset: "PromptDataset",
                     workflow: Workflow, *, version: int = 0) -> "RolloutController":
         """A controller set up by ``cfg.rollout`` (and ``cfg.generate`` for the client)."""
         r = cfg.rollout
@@ -539,7 +544,8 @@ class RolloutController:
 def client_kwargs(cfg: Any) -> dict[str, Any]:
     """InferenceClient options from ``cfg.generate``: the controller's client and rank 0's
     server-control client are made alike."""
-    return {"request_timeout": cfg.generate.request_timeout}
+    g = cfg.generate
+    return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend)}
 
 
 def client_factory(cfg: Any, urls: Sequence[str]) -> Callable[[], Any]:

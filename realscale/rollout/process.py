@@ -6,11 +6,14 @@ its event loop, HTTP client, workflow and reward scoring shared rank 0's interpr
 lists. Here the controller lives in a child process (:class:`ControllerProcess`) and
 rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
 
-- ``next_batch(n, timeout)`` -> :class:`RolloutBatch`: the child takes the ``n`` groups
-  and packs them (:func:`pack_groups`); the packed tensors cross the pipe as raw bytes
-  behind a small pickled header (token lists are never pickled);
-- ``pause()``, ``resume()``, ``set_version(v)``, ``retire(urls)``, ``stats()``,
-  ``state_dict()``; ``stop()`` ends the child.
+- ``next_batch(n, version, timeout)`` -> :class:`RolloutBatch`: the child takes the ``n``
+  groups (waiting at most the recipe's batch limit, :func:`wait_for_groups`) and packs
+  them (:func:`pack_groups`); the packed tensors cross the pipe as raw bytes behind a
+  small pickled header (token lists are never pickled);
+- ``pause()`` / ``resume()`` (no new prompts, and the request clocks of the controller's
+  client held, while the servers are paused for a weight update), ``set_version(v)``,
+  ``retire(urls)``, ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
+  the child), ``state_dict()``; ``stop()`` ends the child.
 
 :class:`LocalRollouts` is the same interface around a controller on a thread of this
 process (``rollout.controller_process=false``: the former arrangement, kept to measure
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "stats", "state_dict")
+OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "stats", "reward_pool_stats", "state_dict")
 POLL_S = 1.0  # how often a waiting rank 0 checks that the child is alive
+BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
 
 
 @dataclass
@@ -71,11 +76,29 @@ def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> Roll
     return RolloutBatch(batch, stats, [g.uid for g in groups])
 
 
+def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int) -> list["Group"]:
+    """``num_groups`` groups from the controller, waiting at most the batch limit that
+    follows from the recipe's generation length and the measured decode rate (none while
+    the request limit is none; realscale/generate/timeouts.py). The limit is re-read while
+    waiting, as rates get measured."""
+    r, g = cfg.rollout, cfg.generate
+    start = time.monotonic()
+    while True:
+        limit = controller.client.timeouts.batch_limit(
+            g.max_new_tokens, num_groups * r.n_samples, g.num_servers * g.max_running_requests)
+        left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+        try:
+            return controller.get_batch(num_groups, timeout=max(left, 0.0))
+        except TimeoutError:
+            if limit is not None and time.monotonic() - start >= limit:
+                raise
+
+
 class LocalRollouts:
     """The rollout interface around a controller in this process (a thread runs its loop)."""
 
-    def __init__(self, controller: "RolloutController", algo: "AlgoConfig") -> None:
-        self.controller, self.algo = controller, algo
+    def __init__(self, controller: "RolloutController", cfg: "Config") -> None:
+        self.controller, self.cfg = controller, cfg
 
     @classmethod
     def build(cls, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
@@ -89,16 +112,25 @@ class LocalRollouts:
             controller.load_state_dict(state)
         controller.pause()
         controller.start()
-        return cls(controller, cfg.algo)
+        return cls(controller, cfg)
 
-    def next_batch(self, num_groups: int, timeout: float | None = None) -> RolloutBatch:
-        groups = self.controller.get_batch(num_groups, timeout=timeout)
-        return pack_groups(groups, self.algo, self.controller.version)
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+        """The next ``num_groups`` groups, packed; staleness measured against ``version``
+        (the trainer's). ``timeout``: seconds, or None for the recipe's batch limit."""
+        if timeout is None:
+            groups = wait_for_groups(self.controller, self.cfg, num_groups)
+        else:
+            groups = self.controller.get_batch(num_groups, timeout=timeout)
+        return pack_groups(groups, self.cfg.algo, version)
 
     def pause(self) -> None:
+        """No new prompts; the servers are being paused, so requests held there do not
+        run out of time (the controller's client keeps its own request clocks)."""
         self.controller.pause()
+        self.controller.call(_hold_clocks)
 
     def resume(self) -> None:
+        self.controller.call(_release_clocks)
         self.controller.resume()
 
     def set_version(self, version: int) -> None:
@@ -110,11 +142,24 @@ class LocalRollouts:
     def stats(self) -> dict[str, Any]:
         return self.controller.stats()
 
+    def reward_pool_stats(self) -> dict[str, float]:
+        from realscale.rollout.rewards import reward_pool_stats
+
+        return reward_pool_stats()
+
     def state_dict(self) -> dict[str, Any]:
         return self.controller.state_dict()
 
     def stop(self) -> None:
         self.controller.stop()
+
+
+async def _hold_clocks(client: Any) -> None:
+    client.timeouts.pause()
+
+
+async def _release_clocks(client: Any) -> None:
+    client.timeouts.resume()
 
 
 class ControllerProcess:
@@ -160,8 +205,8 @@ class ControllerProcess:
             return _recv_batch(self._conn, payload)
         return payload
 
-    def next_batch(self, num_groups: int, timeout: float | None = None) -> RolloutBatch:
-        return self._call("next_batch", num_groups, timeout)
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+        return self._call("next_batch", num_groups, version, timeout)
 
     def pause(self) -> None:
         self._call("pause")
@@ -177,6 +222,9 @@ class ControllerProcess:
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats")
+
+    def reward_pool_stats(self) -> dict[str, float]:
+        return self._call("reward_pool_stats")
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
@@ -199,8 +247,11 @@ class ControllerProcess:
             self._conn.close()
 
 
+Rollouts = LocalRollouts | ControllerProcess  # what the trainer's driver holds
+
+
 def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-                   state: dict[str, Any] | None = None) -> "LocalRollouts | ControllerProcess":
+                   state: dict[str, Any] | None = None) -> Rollouts:
     """The run's rollouts, in a process of their own unless ``rollout.controller_process``
     is false; started paused."""
     if cfg.rollout.controller_process:

@@ -1,13 +1,16 @@
 """The actor's side of one RL step: rollout groups -> packed batch -> PPO update.
 
 - :func:`groups_to_batch`: accepted groups become one packed batch with per-token loss
-  mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``) and the
-  policy version of every token, plus rollout statistics.
+  mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``; for GAE the
+  token rewards, advantages follow from the critic's values) and the policy version of
+  every token, plus rollout statistics.
 - :func:`split_for_dp` (driver): the batch into ``train.mini_batches`` mini-batches, each
   into token-balanced data-parallel shares; :func:`stage_needs`: which parts of a share
   each pipeline stage reads (the batch scatter sends only those).
-- :func:`update_policy`: the decoupled PPO update of DESIGN.md over this rank's shares
-  of the mini-batches; proximal log-probs come from the policy before the first update.
+- :func:`update_policy`: the decoupled PPO update of ARCHITECTURE.md over this rank's
+  shares of the mini-batches; proximal log-probs (and with a critic, values and GAE
+  advantages) come from the models before the first update; the critic
+  (:mod:`realscale.train.critic`) then takes its value-loss steps on the same shares.
 
 The loss arguments come from :func:`realscale.algo.losses.loss_kwargs_from_config`, the
 one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
@@ -15,16 +18,18 @@ one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from realscale.train.batch import PackedBatch
+from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
     from realscale.parallel.batch_scatter import StageNeeds
     from realscale.rollout.types import Group
+    from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
 
 
@@ -36,7 +41,11 @@ def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "Algo
         return loo_advantages(rewards, cu_groups=cu_groups)
     if algo.adv_estimator == "grpo":
         return grpo_advantages(rewards, cu_groups=cu_groups, std_norm=algo.group_std_norm)
-    raise ValueError(f"algo.adv_estimator={algo.adv_estimator!r} needs a critic, which this loop does not train")
+    if algo.adv_estimator == "reinforce":
+        return rewards.clone()
+    if algo.adv_estimator == "gae":  # per token, from the critic's values: see update_policy
+        return torch.zeros_like(rewards)
+    raise ValueError(f"algo.adv_estimator: unknown estimator {algo.adv_estimator!r}")
 
 
 def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBatch, dict[str, float]]:
@@ -57,11 +66,14 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
         versions.append(torch.tensor([-1] * n_p + list(t.output_versions), dtype=torch.float32))
     batch = PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs,
                                               "versions": versions})
+    if algo.adv_estimator == "gae":
+        batch.fields["rewards"] = token_rewards(batch.fields["loss_mask"], batch.cu_seqlens, rewards.tolist())
     out_lens = torch.tensor([float(len(t.output_ids)) for t in trajs])
     stats = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).float().mean()),
              "rollout/response_len": float(out_lens.mean()), "rollout/response_len_max": float(out_lens.max()),
              "rollout/groups": float(len(groups)), "rollout/trajectories": float(len(trajs)),
-             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs))}
+             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs)),
+             "rollout/turns": sum(t.num_turns for t in trajs) / len(trajs)}
     return batch, stats
 
 
@@ -113,7 +125,7 @@ def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
 LOSS_FIELDS = ("loss_mask", "behav_logprobs", "advantages")  # the batch fields ppo_loss_fn reads
 
 
-def stage_needs() -> "StageNeeds":
+def stage_needs(algo: "AlgoConfig") -> "StageNeeds":
     """What each pipeline stage of the engine reads from its share (so only that is sent):
 
     - every stage splits its share into micro-batches by ``cu_seqlens`` and sums the loss
@@ -121,18 +133,29 @@ def stage_needs() -> "StageNeeds":
       stage): :func:`normalizer_fn` reads ``loss_mask``;
     - the first stage embeds ``input_ids``;
     - the last stage takes its targets from ``input_ids`` and evaluates
-      :func:`ppo_loss_fn`, which reads :data:`LOSS_FIELDS`.
+      :func:`ppo_loss_fn`, which reads :data:`LOSS_FIELDS`;
+    - with ``normalize_adv_over_batch`` every stage takes part in the moments' all-reduce
+      over its DP group (:func:`normalize_over_batch`): ``advantages`` everywhere;
+    - with GAE every rank computes the advantages from the critic's values
+      (:func:`realscale.train.critic.gae_advantages`): ``rewards`` everywhere, and the
+      batch's placeholder ``advantages`` are not sent at all.
 
-    Proximal and reference log-probs are computed on every rank, never sent; the token
-    versions stay on the driver (nothing in the update reads them)."""
+    Proximal and reference log-probs and the critic's values are computed on every rank,
+    never sent; the token versions stay on the driver (nothing in the update reads them)."""
     from realscale.parallel.batch_scatter import StageNeeds
 
-    norm = ("loss_mask",)
-    return StageNeeds(first=("input_ids", *norm), middle=norm, last=("input_ids", *norm, *LOSS_FIELDS))
+    every = ["loss_mask"]
+    last = ["input_ids", *LOSS_FIELDS]
+    if algo.adv_estimator == "gae":
+        every.append("rewards")
+        last.remove("advantages")
+    elif algo.normalize_adv_over_batch:
+        every.append("advantages")
+    return StageNeeds(first=("input_ids", *every), middle=tuple(every), last=(*last, *every))
 
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
-    """The decoupled PPO objective of DESIGN.md as the engine's loss function."""
+    """The decoupled PPO objective (ARCHITECTURE.md, step 2) as the engine's loss function."""
     from realscale.algo.losses import loss_kwargs_from_config, ppo_loss
 
     kwargs = loss_kwargs_from_config(algo)
@@ -162,19 +185,39 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
     return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
 
 
+def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:
+    """Advantages of every share normalised with the global batch's moments (this rank's
+    shares summed, then all-reduced over data-parallel ranks)."""
+    import torch.distributed as dist
+
+    from realscale.algo.advantages import masked_moments, normalize_by_moments
+
+    moments = sum(masked_moments(s.fields["advantages"], s.fields["loss_mask"]) for s in shares)
+    if dp_group is not None:
+        dist.all_reduce(moments, group=dp_group)
+    for s in shares:
+        s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
+
+
 def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Config",
-                  on_share: Callable[[PackedBatch], None] | None = None) -> dict[str, float]:
+                  critic: "CriticEngine | None" = None) -> dict[str, float]:
     """PPO mini-batches: ``shares`` holds this DP rank's token-balanced share of each
     mini-batch (:func:`split_for_dp` on the driver, delivered by the batch scatter); every
-    trainer rank calls it. ``on_share`` (optional) adds per-token fields to each share
-    before the update (reference log-probs, values)."""
+    trainer rank calls it. With a ``critic`` (GAE), its values give the advantages and it
+    is updated after the actor."""
+    r = engine.ranks
     for share in shares:
         if cfg.algo.decoupled:
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
-        if on_share is not None:
-            on_share(share)
+        if critic is not None:
+            gae_advantages(critic, share, cfg.algo)
+    if cfg.algo.normalize_adv_over_batch:
+        normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
     step_stats: dict[str, float] = {}
     for share in shares:
         step_stats = engine.train_step(share, loss_fn, norm_fn)
-    return {f"train/{k}": v for k, v in step_stats.items()}
+    stats = {f"train/{k}": v for k, v in step_stats.items()}
+    if critic is not None:
+        stats.update(update_critic(critic, shares, cfg.critic))
+    return stats

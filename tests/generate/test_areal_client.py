@@ -130,7 +130,8 @@ def test_areal_weight_group_bodies(tiny_server) -> None:
     ``build_distributed_weight_update_requests``' body is refused outside a session, as the
     pinned SGLang refuses it, and loads the broadcast inside one."""
     url, server = tiny_server
-    before = server.engine.model.model.norm.weight.detach().clone()
+    norm = server.ranks.worker.weights.tensors()["decoder.final_layernorm.weight"]  # a view of the flat buffer
+    before = norm.detach().clone()
     shape = list(before.shape)
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -164,5 +165,5 @@ def test_areal_weight_group_bodies(tiny_server) -> None:
     assert joined[0] == 200 and joined[1]["success"] is True
     assert outside[0] == 400 and "begin_weight_update()" in outside[1]["message"]
     assert begun[0] == inside[0] == ended[0] == destroyed[0] == 200, replies
-    assert torch.equal(server.engine.model.model.norm.weight, torch.full(shape, 0.25))
-    server.engine.load_weights([("model.norm.weight", before)], None)  # tiny_server is shared
+    assert torch.equal(norm, torch.full(shape, 0.25))
+    server.engine.call(lambda: norm.copy_(before)).result(60)  # tiny_server is shared

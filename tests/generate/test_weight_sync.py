@@ -13,6 +13,8 @@ from http_record import record_requests
 from realscale.generate.client import InferenceClient
 from realscale.generate.sampling import token_logprobs
 from realscale.generate.server import EmbeddedServer, start_in_thread
+from realscale.generate.weights import full_megatron_tensors
+from realscale.parallel.reshard_exec import pack_shard
 from realscale.parallel.spawn import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -55,7 +57,7 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
     seen = record_requests(server)
     url, stop = start_in_thread(server)
     try:
-        before = server.engine.model.model.embed_tokens.weight.clone()
+        before = server.ranks.worker.weights.hashes()
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         proc = mp.get_context("spawn").Process(target=_trainer, args=(new_dir, [url], free_port(), child))
         proc.start()
@@ -77,10 +79,11 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
             [(False, False)] * (n_buckets - 1) + [(True, True)]
         assert weight_calls[0][1]["rank_offset"] == 1 and weight_calls[0][1]["world_size"] == 2
         new = AutoModelForCausalLM.from_pretrained(new_dir).eval()
-        mine = dict(server.engine.model.named_parameters())
-        for name, p in new.named_parameters():
-            assert torch.equal(mine[name], p), name
-        assert not torch.equal(before, mine["model.embed_tokens.weight"])
+        weights = server.ranks.worker.weights
+        full = full_megatron_tensors(new.state_dict().items(), weights.spec, weights.arch)
+        expected = pack_shard(weights.spec, weights.layout, 0, full)
+        assert torch.equal(weights.flat, expected)
+        assert all(before[name] != h for name, h in weights.hashes().items() if "layernorm" not in name)
         assert sent == sum(p.numel() * p.element_size() for p in new.state_dict().values())
         # Generation now runs on the streamed weights and is tagged with the new version.
         import requests

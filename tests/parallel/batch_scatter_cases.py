@@ -36,13 +36,6 @@ def reference_shares(batch: Any, num_mini: int, dp: int, dp_rank: int) -> list[A
     return out
 
 
-def _micro_batches(share: Any, budget: int) -> list[list[int]]:
-    """The engine's micro-batch split of a share (MegatronEngine._micro_batches)."""
-    from realscale.data.packing import pack_micro_batches
-
-    return [idx for idx in pack_micro_batches(share.seqlens().tolist(), budget, dp=1, multiple_of=1)[0] if idx]
-
-
 def scatter_vs_broadcast(layouts: list[tuple[int, int]], num_mini: int, num_seqs: int) -> list[dict[str, Any]]:
     """On every rank, for each (tp, pp) layout: the scatter's shares against the
     reference, and the bytes moved."""
@@ -59,13 +52,15 @@ def _one_layout(tp: int, pp: int, num_mini: int, num_seqs: int) -> dict[str, Any
     import torch
     import torch.distributed as dist
 
+    from realscale.config import AlgoConfig
     from realscale.parallel.batch_scatter import PLACEHOLDER_TOKEN, BatchScatter
     from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
     from realscale.train.actor import split_for_dp, stage_needs
+    from realscale.train.engine import micro_batch_plan
 
     init_megatron(Layout(tp=tp, pp=pp))
     r = rank_info()
-    needs = stage_needs()
+    needs = stage_needs(AlgoConfig())
     batch = synthetic_batch(num_seqs) if dist.get_rank() == 0 else None
     split = split_for_dp(batch, num_mini, r.dp) if batch is not None else None
     mine, stats = BatchScatter(r, needs).scatter(split)
@@ -84,7 +79,7 @@ def _one_layout(tp: int, pp: int, num_mini: int, num_seqs: int) -> dict[str, Any
         for k in got.fields:
             if got.fields[k].dtype != want.fields[k].dtype or not torch.equal(got.fields[k], want.fields[k]):
                 problems.append(f"mini-batch {m}: field {k} differs")
-        if _micro_batches(got, 40) != _micro_batches(want, 40):
+        if micro_batch_plan(got, 40) != micro_batch_plan(want, 40):  # the engine's split
             problems.append(f"mini-batch {m}: micro-batches differ")
     need = sum((want.input_ids if k == "input_ids" else want.cu_seqlens if k == "cu_seqlens" else want.fields[k]).nbytes
                for want in ref for k in keys)

@@ -30,13 +30,20 @@ def test_scatter_matches_broadcast_and_moves_the_lower_bound() -> None:
 
 
 def test_stage_needs_give_middle_stages_no_tokens() -> None:
+    from realscale.config import AlgoConfig
     from realscale.train.actor import LOSS_FIELDS, stage_needs
 
-    needs = stage_needs()
+    needs = stage_needs(AlgoConfig())
     assert needs.keys(1, 3) == ("cu_seqlens", "loss_mask")
     assert needs.keys(0, 3)[:2] == ("input_ids", "cu_seqlens") and "advantages" not in needs.keys(0, 3)
     assert set(LOSS_FIELDS) <= set(needs.keys(2, 3)) and "versions" not in needs.keys(2, 3)
     assert needs.keys(0, 1) == needs.keys(2, 3)  # one stage reads what first and last read
+    # advantages normalised over the batch: every stage joins the moments' all-reduce
+    assert "advantages" in stage_needs(AlgoConfig(normalize_adv_over_batch=True)).keys(1, 3)
+    # GAE: every rank computes advantages from the critic's values and the token rewards
+    gae = stage_needs(AlgoConfig(adv_estimator="gae", normalize_adv_over_batch=True))
+    assert gae.keys(1, 3) == ("cu_seqlens", "loss_mask", "rewards")
+    assert "advantages" not in gae.keys(2, 3) and {"rewards", "behav_logprobs"} <= set(gae.keys(2, 3))
 
 
 def test_split_for_dp_refuses_a_mini_batch_smaller_than_dp() -> None:

@@ -1,7 +1,7 @@
 """The rollout controller in its own process, against a real embedded server: batches
 come back packed, rank 0's server control pauses and updates the servers with its own
-client, errors keep their type, a dead child is an error, and retired servers reach the
-controller's client."""
+client, errors keep their type, a dead child is an error, and retired servers and paused
+request clocks reach the controller's client."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_controller_process_trains_three_versions(server, arith_jsonl, tmp_path)
     try:
         rollouts.resume()
         for version in range(3):
-            rb = rollouts.next_batch(2, timeout=300)
+            rb = rollouts.next_batch(2, version, timeout=300)
             b = rb.batch
             assert b.num_seqs == 4 and len(rb.uids) == 2
             assert b.input_ids.dtype == torch.long and b.cu_seqlens[-1] == b.num_tokens
@@ -46,7 +46,7 @@ def test_controller_process_trains_three_versions(server, arith_jsonl, tmp_path)
         assert stats["consumed"] == 6 and stats["version"] == 3
         assert rollouts.state_dict()["consumed"] == 6
         with pytest.raises(TimeoutError, match="get_batch"):  # the child's error, its type kept
-            rollouts.next_batch(50, timeout=0.5)
+            rollouts.next_batch(50, 3, timeout=0.5)
     finally:
         control.close()
         rollouts.stop()
@@ -75,10 +75,15 @@ def test_servers_a_weight_update_retired_leave_generation(server, arith_jsonl, t
     try:
         with pytest.raises(ValueError, match="not servers of this controller"):
             rollouts.retire(["http://127.0.0.1:1"])
+        gen_clock = rollouts.controller.client.timeouts
+        control.pause(cfg.generate.pause_mode)
+        # the generation client's requests do not run out of time while the servers are paused
+        assert gen_clock._paused_at is not None and control.client.timeouts._paused_at is not None
         control.client.servers[0].retired = True  # as when it missed a weight update
         control.resume(1)
         gen = rollouts.controller.client.servers[0]
         assert gen.retired and not gen.healthy and rollouts.stats()["version"] == 1
+        assert gen_clock._paused_at is None
     finally:
         control.close()
         rollouts.stop()

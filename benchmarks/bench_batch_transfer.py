@@ -25,6 +25,10 @@ tokens (~2 GB), scaled down by ``--areal-scale`` (lengths multiplied; default 0.
 of this shared 24 GiB machine.
 
     python benchmarks/bench_batch_transfer.py              # writes results/bench_batch_transfer.json
+
+The results file's ``data_path_model`` is the run simulator's data-path term (one per
+method): ``seconds = fixed_s + s_per_byte * bytes`` fitted over the rows, ``bytes`` being
+the tensor bytes delivered to trainer ranks (the trainer's ``perf/batch_bytes``).
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--areal-scale", type=float, default=0.25, help="multiplies the areal batch's lengths")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_batch_transfer.json"))
     args = ap.parse_args()
+    uptime_start = os.popen("uptime").read().strip()
     layouts = [(2, 1, 1), (4, 1, 1), (4, 1, 2)]  # (world, tp, pp): dp2, dp4, dp2 x pp2
     rows = []
     for size in args.sizes.split(","):
@@ -151,11 +156,29 @@ def main() -> None:
                   f"{b['seconds'] / max(s['seconds'], 1e-9):5.2f}x | rank-0 peak RSS over the batch: "
                   f"{b['peak_rss_mb'] - b['rss_batch_mb']:7.0f} vs {s['peak_rss_mb'] - s['rss_batch_mb']:7.0f} MB",
                   flush=True)
+    model = {m: data_path_fit([r for r in rows if r["method"] == m]) for m in ("broadcast", "scatter")}
+    for m, fit in model.items():
+        print(f"data path ({m}): seconds = {fit['fixed_s']:.4f} + bytes x {fit['s_per_byte']:.3e} "
+              f"({1 / fit['s_per_byte'] / MB:.0f} MB/s)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump({"areal_scale": args.areal_scale, "mini_batches": MINI_BATCHES, "repeats": args.repeats,
-                   "uptime": os.popen("uptime").read().strip(), "rows": rows}, fh, indent=1)
+                   "uptime_start": uptime_start, "uptime": os.popen("uptime").read().strip(),
+                   "data_path_model": model, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")
+
+
+def data_path_fit(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run simulator's data-path term, measured: least squares of a row's seconds (from a
+    barrier until the slowest rank holds its shares) against the tensor bytes it delivered
+    to the trainer ranks (sum over receiving ranks: the trainer's ``perf/batch_bytes``)."""
+    xs, ys = [float(r["bytes"]) for r in rows], [r["seconds"] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"s_per_byte": slope, "fixed_s": my - slope * mx, "rows": len(rows),
+            "meaning": "seconds per step to deliver the batch = fixed_s + s_per_byte * bytes, bytes = tensor "
+                       "bytes delivered to trainer ranks (perf/batch_bytes); gloo over loopback on this CPU "
+                       "machine, 2 and 4 ranks (NCCL not measured)"}
 
 
 if __name__ == "__main__":

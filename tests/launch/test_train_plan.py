@@ -1,6 +1,7 @@
 """`realscale train parallel.plan=plan.yaml` on this machine: the plan places the trainer
-and the generation servers, and every step's weights reach the servers through the
-weight world at exactly the resharding lower bound."""
+and the generation servers, every step's weights reach the servers through the weight
+world at exactly the resharding lower bound, and its batch reaches the trainer ranks
+through the batch scatter at exactly its lower bound."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def test_a_plan_runs_end_to_end_with_shard_to_shard_weight_sync(tmp_path: Path) 
     for m in steps:
         assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"] > 0
         assert m["perf/weight_sync_s"] > 0
+        # the batch reached the TP peer through the scatter, at its bound; both ranks' compute timed
+        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0 and m["perf/batch_s"] > 0
+        assert m["perf/compute_s_rank0"] > 0 and m["perf/compute_s_max_other"] > 0
 
 
 def test_a_plan_larger_than_the_machine_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -36,7 +36,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -45,21 +44,13 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPE = os.path.join(REPO, "configs", "long_tail_cpu.yaml")
 RESULT = os.path.join(REPO, "benchmarks", "results", "async_vs_sync.json")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import run_realscale  # noqa: E402 - benchmarks/ is not a package
 
 
 def _realscale(args: list[str], log_path: str) -> float:
     """Run ``python -m realscale ARGS`` from this checkout, output to ``log_path``; seconds taken."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run([sys.executable, "-m", "realscale", *args], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        with open(log_path, encoding="utf-8", errors="replace") as fh:
-            tail = fh.read()[-3000:]
-        raise SystemExit(f"bench_async: `realscale {' '.join(args)}` failed (exit {proc.returncode}); "
-                         f"log {log_path}:\n{tail}")
-    return time.perf_counter() - start
+    return run_realscale(args, log_path, "bench_async")
 
 
 def _load_avg() -> list[float]:

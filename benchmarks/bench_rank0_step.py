@@ -25,28 +25,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(REPO, "benchmarks", "results", "rank0_step.json")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import run_realscale  # noqa: E402 - benchmarks/ is not a package
 KEYS = ("perf/compute_s_rank0", "perf/compute_s_max_other", "perf/step_s", "perf/train_s", "perf/batch_s",
         "perf/batch_bytes", "perf/batch_bytes_lower_bound")
-
-
-def _realscale(args: list[str], log_path: str) -> float:
-    """``python -m realscale ARGS`` from this checkout, output to ``log_path``; seconds taken."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run([sys.executable, "-m", "realscale", *args], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        with open(log_path, encoding="utf-8", errors="replace") as fh:
-            raise SystemExit(f"`realscale {' '.join(args)}` failed (exit {proc.returncode}):\n{fh.read()[-3000:]}")
-    return time.perf_counter() - start
 
 
 def summarize(run_dir: str, steps: int) -> dict[str, Any]:
@@ -80,14 +67,15 @@ def main() -> None:
               "eval.max_problems=20"]
     if not os.path.isfile(os.path.join(sft_dir, "model.safetensors")):
         print(f"warm start -> {sft_dir}", flush=True)
-        _realscale(["sft", *common], os.path.join(work, "sft.log"))
+        run_realscale(["sft", *common], os.path.join(work, "sft.log"), "bench_rank0_step")
     runs: dict[str, Any] = {}
     for name, in_process in (("process", True), ("thread", False)):
         run_dir = os.path.join(work, name)
         shutil.rmtree(run_dir, ignore_errors=True)  # a leftover run directory would be resumed
         load_before = os.popen("uptime").read().strip()
-        seconds = _realscale(["train", *common, f"run.name={name}", f"rollout.controller_process={str(in_process).lower()}"],
-                             os.path.join(work, f"{name}.log"))
+        seconds = run_realscale(["train", *common, f"run.name={name}",
+                                 f"rollout.controller_process={str(in_process).lower()}"],
+                                os.path.join(work, f"{name}.log"), "bench_rank0_step")
         runs[name] = {"controller_process": in_process, "wall_s": seconds, "uptime_before": load_before,
                       "uptime_after": os.popen("uptime").read().strip(), **summarize(run_dir, args.steps)}
     print(f"{'controller':10s} {'rank-0 compute s':>17s} {'max other s':>12s} {'rank0/other':>12s} "

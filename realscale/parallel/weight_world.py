@@ -193,20 +193,6 @@ def _int64() -> Any:
     return torch.int64
 
 
-def join_via_board(board: Any, template: WorldSpec, rank: int) -> tuple[WorldSpec, Any]:
-    """(world, hosted store) for processes that share a store ``board`` instead of HTTP
-    (tests, benchmarks): world rank 0 hosts the world's store on a port the OS picks and
-    publishes the world under its name; the others read it there (waiting for it)."""
-    import dataclasses
-
-    if rank == 0:
-        store = host_store(template.master_address, template.world_size, template.timeout_s)
-        world = dataclasses.replace(template, master_port=store.port)
-        board.set(world.name, json.dumps(world.to_json()))
-        return world, store
-    return WorldSpec.from_json(json.loads(board.get(template.name))), None
-
-
 # ----------------------------------------------------------------------------- trainer side
 
 

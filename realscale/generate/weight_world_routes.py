@@ -35,8 +35,7 @@ from aiohttp import web
 from realscale.generate import protocol as P
 
 if TYPE_CHECKING:
-    import torch
-
+    from realscale.generate.ranks import RankWorker
     from realscale.generate.server import EmbeddedServer
     from realscale.parallel.model_spec import ModelSpec
     from realscale.parallel.weight_world import WorldSpec
@@ -62,13 +61,13 @@ def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSp
 # ----------------------------------------------------------------------------- on every rank
 
 
-def check_rank(worker: Any, world_json: dict, rank_offset: int) -> None:
+def check_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> None:
     from realscale.parallel.weight_world import WorldSpec
 
     check_world(WorldSpec.from_json(world_json), rank_offset, worker.tp, worker.weights.spec, worker.device.type)
 
 
-def join_rank(worker: Any, world_json: dict, rank_offset: int) -> int:
+def join_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> int:
     """Leave any previous world, join this one at ``rank_offset + tp_rank``; returns that rank."""
     from realscale.parallel.weight_world import WorldMember, WorldSpec
 
@@ -78,7 +77,7 @@ def join_rank(worker: Any, world_json: dict, rank_offset: int) -> int:
     return member.rank
 
 
-def receive_rank(worker: Any, name: str) -> int:
+def receive_rank(worker: "RankWorker", name: str) -> int:
     """Receive this rank's shard of the new weights into its flat buffer; returns bytes."""
     import torch
 
@@ -94,7 +93,7 @@ def receive_rank(worker: Any, name: str) -> int:
     return recv
 
 
-def leave_rank(worker: Any) -> None:
+def leave_rank(worker: "RankWorker") -> None:
     member = worker.extras.pop(KEY, None)
     if member is not None:
         member.close()

@@ -75,9 +75,11 @@ def reference_model_dir(cfg: "Config", model_dir: str) -> str:
     path = resolve_model_path(path)
     ref, policy = load_arch(path), load_arch(model_dir)
     for name in SHAPE_FIELDS:
-        if getattr(ref, name) != getattr(policy, name):
-            raise ConfigError(f"model.ref_path: {path} has {name}={getattr(ref, name)!r}, the policy "
-                              f"{getattr(policy, name)!r}; the reference must have the policy's architecture")
+        mine, theirs = (getattr(a, name) for a in (ref, policy))
+        if mine != theirs:
+            mine, theirs = (getattr(v, "name", v) for v in (mine, theirs))  # a Family by its name
+            raise ConfigError(f"model.ref_path: {path} has {name}={mine!r}, the policy {theirs!r}; the reference "
+                              "must have the policy's architecture")
     return path
 
 

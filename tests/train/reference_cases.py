@@ -77,19 +77,37 @@ def kl_after_steps(model_dir: str, steps: int, kl_coefs: list[float]) -> dict[st
         out["stats"][coef] = [update_policy(engine, _batch(engine, cfg, seed=s), cfg, None, ref) for s in range(steps)]
         out["kl"][coef] = exact_kl(engine, ref, _batch(engine, cfg, seed=1000))
     out["frozen"] = all(torch.equal(a, b) for a, b in zip(frozen, ref.model.parameters()))
-    probe = _batch(ref, cfg, seed=2000)
-    before = ref.ref_logprobs(probe)
-    out["bytes_resident"] = ref.param_bytes()
+    out.update(offload_checks(ref, _batch(ref, cfg, seed=2000)))
+    return out
+
+
+def offload_checks(ref: Any, batch: Any) -> dict[str, Any]:
+    """Parameter bytes (and CUDA memory) before and after ``offload``; log-probs refused
+    while offloaded and bit-identical after ``restore``."""
+    cuda = ref.device.type == "cuda"
+    before = ref.ref_logprobs(batch)
+    out: dict[str, Any] = {"bytes_resident": ref.param_bytes()}
+    allocated = torch.cuda.memory_allocated() if cuda else 0
     ref.offload()
     out["bytes_offloaded"] = ref.param_bytes()
+    out["cuda_freed"] = allocated - torch.cuda.memory_allocated() if cuda else 0
     try:
-        ref.ref_logprobs(probe)
+        ref.ref_logprobs(batch)
         out["offloaded_refuses"] = False
     except RuntimeError as exc:
         out["offloaded_refuses"] = "offloaded" in str(exc)
     ref.restore()
-    out["restored_equal"] = torch.equal(before, ref.ref_logprobs(probe))
+    out["restored_equal"] = torch.equal(before, ref.ref_logprobs(batch))
     return out
+
+
+def offload_roundtrip(model_dir: str) -> dict[str, Any]:
+    """:func:`offload_checks` on a reference built alone on this rank's device."""
+    from realscale.train.engine import EngineConfig
+    from realscale.train.reference import ReferenceEngine
+
+    ref = ReferenceEngine(EngineConfig(model_path=model_dir, lr=None), shared_layout=False)
+    return offload_checks(ref, _batch(ref, _cfg(1, 1, 0.1), seed=0))
 
 
 def one_step_against(model_dir: str, ref_dir: str, tp: int, dp: int) -> dict[str, Any]:

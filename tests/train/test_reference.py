@@ -57,9 +57,17 @@ def test_two_ranks_equal_one_with_the_kl_term(tmp_path: Path, tp: int, dp: int) 
         assert torch.allclose(rank["after"][mask], one["after"][mask], atol=1e-4, rtol=0)
 
 
+@pytest.mark.gpu
+def test_offload_moves_the_reference_off_the_gpu_and_back() -> None:
+    out = run_distributed(cases.offload_roundtrip, 1, resolve_model_path("tiny-qwen2"), backend="nccl",
+                          timeout=600)[0]
+    assert out["bytes_offloaded"] == 0 and out["cuda_freed"] >= out["bytes_resident"] > 0
+    assert out["offloaded_refuses"] and out["restored_equal"]
+
+
 def test_a_reference_of_another_architecture_is_refused() -> None:
     cfg = load_config(None, ["algo.kl_coef=0.1", "model.ref_path=tiny-llama"])
-    with pytest.raises(ConfigError, match="model.ref_path: .* has family=") as info:
+    with pytest.raises(ConfigError, match="model.ref_path: .* has family=.llama., the policy .qwen2.") as info:
         reference_model_dir(cfg, resolve_model_path("tiny-qwen2"))
     assert "\n" not in str(info.value)
 

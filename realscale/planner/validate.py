@@ -8,8 +8,9 @@ of ``tp`` ranks each). :func:`check_plan` refuses, in one line naming what is wr
 - a mode or role the runtime does not place yet (colocated plans, roles other than the
   actor's, the critic's and the reference's);
 - a critic or reference role off the actor's trainer devices: both run on the trainer
-  ranks in the actor's layout (``ref_inf``: any strategy, on ``actor_train``'s mesh; the
-  runtime computes reference log-probs there, in the training layout);
+  ranks in the actor's layout (``ref_inf``: any strategy, on some or all of
+  ``actor_train``'s devices; the runtime computes reference log-probs on all of them, in
+  the training layout);
 - meshes that overlap in disaggregated mode;
 - a layout the model cannot take (``ModelSpec.check_strategy``: tp must divide the
   heads, key/value groups and every split dimension, including the vocabulary padded to
@@ -74,8 +75,8 @@ def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
         if not same:
             raise ConfigError(f"{where}: {name} ({critic.strategy} on {critic.mesh}) must share actor_train's "
                               f"placement ({train.strategy} on {train.mesh}): the critic runs on the actor's ranks")
-    ref = plan.roles.get(REF_ROLE)
-    if ref is not None and ref.mesh != train.mesh:
+    ref = plan.roles.get(REF_ROLE)  # on actor_train's devices (all or some): the runtime uses all of them
+    if ref is not None and not train.mesh.start <= ref.mesh.start < ref.mesh.end <= train.mesh.end:
         raise ConfigError(f"{where}: ref_inf on {ref.mesh} must be on actor_train's devices ({train.mesh}): the "
                           "reference runs on the trainer ranks in the actor's layout (its own mesh is not implemented)")
     if train.mesh.overlaps(gen.mesh):

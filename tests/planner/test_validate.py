@@ -45,6 +45,8 @@ REFUSALS = [
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1")}, "colocated", "mode colocated"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "ref_inf": ("2:3", "d1t1p1")},
      "disaggregated", r"ref_inf on gpus\[2:3\] must be on actor_train's devices"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("2:4", "d1t2p1"), "ref_inf": ("1:3", "d1t2p1")},
+     "disaggregated", r"ref_inf on gpus\[1:3\] must be on actor_train's devices"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "reward": ("2:3", "d1t1p1")},
      "disaggregated", "role reward is not placed"),
     ({"actor_gen": ("0:1", "d1t1p1")}, "disaggregated", "no actor_train role"),
@@ -63,6 +65,9 @@ def test_a_reference_on_the_actors_devices_is_accepted(tmp_path: Path) -> None:
     cfg = _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
                                   "ref_inf": ("2:4", "d2t1p1")}), "algo.kl_coef=0.1")
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (1, 2, 1)
+    # part of the actor's devices: the reference still runs on all of them
+    _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
+                            "ref_inf": ("3:4", "d1t1p1")}), "algo.kl_coef=0.1")
 
 
 def test_pipeline_stages_must_split_the_layers_evenly(tmp_path: Path) -> None:

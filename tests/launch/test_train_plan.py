@@ -87,9 +87,9 @@ def test_a_plan_the_runtime_cannot_execute_is_refused_in_one_line_before_anythin
     cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r",
            f"parallel.plan={plan}", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0, res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr  # a user error, as config errors are
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert len(lines) == 1 and reason in lines[0] and lines[0].startswith("realscale: "), lines
-    # the plan's layout is refused with the config, the machine's capacity by the launcher's
-    # backend once the run directory exists: in neither case did a process start
+    # the plan's layout is refused with the config, the machine's capacity by the local
+    # backend's prepare (same error type): in neither case did a process start
     assert not (tmp_path / "r" / "logs" / "server0.log").exists() and not (tmp_path / "r" / "config.yaml").exists()

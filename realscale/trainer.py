@@ -14,7 +14,9 @@ step:
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
    data-parallel rank on its share; with GAE the critic
    (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
-   value-loss steps after;
+   value-loss steps after; with ``algo.kl_coef > 0`` the frozen reference policy
+   (:mod:`realscale.train.reference`, same ranks and layout) gives reference log-probs
+   for the KL penalty;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -47,6 +49,7 @@ from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoin
                                         rotate_checkpoints, save_checkpoint, truncate_logs)
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
+from realscale.train.reference import reference_for
 
 if TYPE_CHECKING:
     from realscale.metrics import MetricsLogger
@@ -64,8 +67,9 @@ class Trainer:
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
             self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
+        self.ref = reference_for(cfg, model_dir)  # KL penalty: frozen starting weights, beside the actor
         self.scatter = BatchScatter(self.engine.ranks, stage_needs(cfg.algo))
-        self.clock = ComputeClock(self.engine.config, *([self.critic.config] if self.critic else []))
+        self.clock = ComputeClock(*(m.config for m in (self.engine, self.critic, self.ref) if m is not None))
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
@@ -123,7 +127,7 @@ class Trainer:
         shares, stats, moved = self._next_batch()
         t_wait = time.perf_counter() - t0
         self.clock.seconds()  # compute timed from here: this step's update only
-        stats.update(update_policy(self.engine, shares, self.cfg, self.critic))
+        stats.update(update_policy(self.engine, shares, self.cfg, self.critic, self.ref))
         t_train = time.perf_counter() - t0 - t_wait
         # every rank's transfer and compute figures, gathered: does rank 0 hold the others up?
         stats.update(step_figures(gather_figures({**moved.local(), "compute_s": self.clock.seconds()})))

@@ -34,26 +34,36 @@ def synthetic_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0
     return groups
 
 
+def scattered(engine: Any, cfg: Any, batch: Any) -> list[Any]:
+    """This rank's shares of rank 0's ``batch`` as the RL loop delivers them: split into
+    mini-batches and DP shares on rank 0, then the batch scatter (a collective)."""
+    import torch.distributed as dist
+
+    from realscale.parallel.batch_scatter import BatchScatter
+    from realscale.train.actor import split_for_dp, stage_needs
+
+    split = split_for_dp(batch, cfg.train.mini_batches, engine.ranks.dp) if dist.get_rank() == 0 else None
+    return BatchScatter(engine.ranks, stage_needs(cfg.algo)).scatter(split)[0]
+
+
 def one_rl_step(model_dir: str, tp: int, dp: int, pp: int = 1) -> dict[str, Any]:
     """groups -> batch (rank 0) -> split into DP shares -> batch scatter -> prox log-probs
     -> PPO step; the log-probs before and after over the whole batch."""
     import torch.distributed as dist
 
     from realscale.config import load_config
-    from realscale.parallel.batch_scatter import BatchScatter
     from realscale.train import actor as trainer
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}", "optim.lr=1e-3",
                              "train.mini_batches=2", "train.max_tokens_per_micro_batch=40"])
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
-    batch, split = None, None
+    batch = None
     if dist.get_rank() == 0:
         batch, _ = trainer.groups_to_batch(synthetic_groups(engine), cfg.algo)
-        split = trainer.split_for_dp(batch, cfg.train.mini_batches, engine.ranks.dp)
     else:
         synthetic_groups(engine)  # same collectives as rank 0 (log-probs of the same data)
-    shares, _ = BatchScatter(engine.ranks, trainer.stage_needs(cfg.algo)).scatter(split)
+    shares = scattered(engine, cfg, batch)
     whole = trainer.broadcast_batch(batch)  # to compare log-probs over the whole batch
     before = engine.logprobs(whole)["logprobs"]
     stats = trainer.update_policy(engine, shares, cfg)
@@ -82,7 +92,6 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
     import torch.distributed as dist
 
     from realscale.config import load_config
-    from realscale.parallel.batch_scatter import BatchScatter
     from realscale.train import actor as trainer
     from realscale.train.critic import CriticEngine, critic_engine_config, gae_advantages
     from realscale.train.engine import EngineConfig, MegatronEngine
@@ -100,12 +109,9 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
     batch = trainer.broadcast_batch(batch)
     whole = batch.select(list(range(batch.num_seqs)))  # a copy: updates below write into their shares
     gae_advantages(critic, whole, cfg.algo)  # on the whole batch, before any update
-    scatter = BatchScatter(engine.ranks, trainer.stage_needs(cfg.algo))
     losses, values, policy = [], [], []
     for _ in range(steps):
-        split = trainer.split_for_dp(batch, cfg.train.mini_batches, dp) if dist.get_rank() == 0 else None
-        shares, _ = scatter.scatter(split)
-        losses.append(trainer.update_policy(engine, shares, cfg, critic)["critic/loss"])
+        losses.append(trainer.update_policy(engine, scattered(engine, cfg, batch), cfg, critic)["critic/loss"])
         values.append(critic.values(batch))
         policy.append(engine.logprobs(batch)["logprobs"])
     return {"losses": losses, "values": values, "policy": policy,

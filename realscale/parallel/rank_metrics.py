@@ -29,7 +29,8 @@ COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 
 class ComputeClock:
     """Forward/backward compute seconds of this rank, from megatron's schedule timers, over
-    every model it trains (the actor; with GAE the critic too: one clock on both configs)."""
+    every model it runs (the actor; the critic and the reference when present: one clock on
+all their configs)."""
 
     def __init__(self, *model_configs: Any) -> None:
         from megatron.core.timers import Timers

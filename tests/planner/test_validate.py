@@ -44,7 +44,11 @@ REFUSALS = [
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:5", "d1t1p4")}, "disaggregated", "more than the model's 2"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1")}, "colocated", "mode colocated"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "ref_inf": ("2:3", "d1t1p1")},
-     "disaggregated", "role ref_inf is not placed"),
+     "disaggregated", r"ref_inf on gpus\[2:3\] must be on actor_train's devices"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("2:4", "d1t2p1"), "ref_inf": ("1:3", "d1t2p1")},
+     "disaggregated", r"ref_inf on gpus\[1:3\] must be on actor_train's devices"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "reward": ("2:3", "d1t1p1")},
+     "disaggregated", "role reward is not placed"),
     ({"actor_gen": ("0:1", "d1t1p1")}, "disaggregated", "no actor_train role"),
 ]
 
@@ -54,6 +58,16 @@ def test_plans_the_runtime_cannot_execute_are_refused_in_one_line(tmp_path: Path
     with pytest.raises(ConfigError, match=reason) as info:
         _apply(_plan(tmp_path, roles, mode))
     assert "\n" not in str(info.value)
+
+
+def test_a_reference_on_the_actors_devices_is_accepted(tmp_path: Path) -> None:
+    """ref_inf on actor_train's mesh runs there, in the actor's layout, whatever strategy the planner costed."""
+    cfg = _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
+                                  "ref_inf": ("2:4", "d2t1p1")}), "algo.kl_coef=0.1")
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (1, 2, 1)
+    # part of the actor's devices: the reference still runs on all of them
+    _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
+                            "ref_inf": ("3:4", "d1t1p1")}), "algo.kl_coef=0.1")
 
 
 def test_pipeline_stages_must_split_the_layers_evenly(tmp_path: Path) -> None:

@@ -100,11 +100,14 @@ class ParallelConfig:
     sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
     plan: str = knob("", "Plan YAML from `realscale plan --out`; when set, its actor_train role's dp/tp/pp replace the three above.")
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
+    mode: str = knob("disaggregated", "disaggregated: generation servers on devices of their own, asynchronous under rollout.max_staleness (AReaL); colocated: the trainer ranks themselves generate between updates, in the layout generate.num_servers x generate.tp (which must cover the trainer's ranks), synchronously (max_staleness 0; ReaL). A plan's mode sets it.")
+    release_idle_memory: bool = knob(True, "Colocated mode: free the generation layout's memory (weights, KV cache) while training and build it again each step; false keeps both layouts resident.")
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             _positive("parallel", name, getattr(self, name))
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
+        _one_of("parallel", "mode", self.mode, ("disaggregated", "colocated"))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel: needs parallel.tp > 1")
 
@@ -457,11 +460,30 @@ class Config:
 
     def __post_init__(self) -> None:
         # Settings that only make sense together (each section checked its own above).
+        if self.parallel.mode == "colocated":
+            colocated_conflict = colocated_problem(self)
+            if colocated_conflict:
+                raise ConfigError(f"parallel.mode=colocated: {colocated_conflict}")
         if self.rollout.workflow == "multi_turn" and self.model.path == "sft" \
                 and self.data.source != "task:arith":
             raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
                               f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
                               "or a model.path of your own")
+
+
+def colocated_problem(cfg: "Config") -> str:
+    """Why ``cfg`` cannot run colocated (empty: it can): the trainer ranks generate with the
+    embedded decoder, every rank in the generation layout, synchronously."""
+    g, world = cfg.generate, cfg.parallel.world_size
+    if g.backend != "embedded":
+        return f"the trainer ranks generate with the embedded decoder; generate.backend={g.backend} runs servers"
+    if g.num_servers * g.tp != world:
+        return (f"generate.num_servers x generate.tp = {g.num_servers} x {g.tp} must equal the trainer's "
+                f"{world} ranks (each trainer rank is one generation rank)")
+    if cfg.rollout.max_staleness != 0:
+        return (f"generation and training take turns, so a step is synchronous: set rollout.max_staleness=0 "
+                f"(got {cfg.rollout.max_staleness})")
+    return ""
 
 
 # --------------------------------------------------------------------------- schema walking

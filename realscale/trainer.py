@@ -20,6 +20,11 @@ holds the servers' control. Then, each step:
 
 Asynchrony is all in the controller: while step N trains, generation for later steps
 goes on under the old weights, and η bounds how old a trained token may be.
+
+Colocated mode (``parallel.mode: colocated``) has no servers of its own: the trainer ranks
+generate in a layout of their own while the driver waits for its batch, and "publish"
+reshards the weights into that layout in place
+(:class:`realscale.generate.colocated.ColocatedGeneration`; η = 0).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
+from realscale.generate.colocated import ColocatedGeneration
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
@@ -70,13 +76,20 @@ class Trainer:
             self.step, self.version = int(extra["step"]), int(extra["version"])
             if self.critic is not None:
                 self.critic.load(critic_dir(self.resumed_from))
+        self.colocated: ColocatedGeneration | None = None
+        if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
+            self.colocated = ColocatedGeneration(cfg, model_dir, self.engine)
+            server_urls = self.colocated.urls
         self.controller: RolloutController | None = None
         self.logger: MetricsLogger | None = None
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
             control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls])
-        self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
+        if self.colocated is not None:
+            self.colocated.control = control
+        self.publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
+                                                           cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
                       ) -> tuple["RolloutController", "MetricsLogger"]:
@@ -137,22 +150,31 @@ class Trainer:
 
     def _start_generation(self) -> None:
         """Servers start from the base model: after a resume they first get the
-        checkpoint's weights (same version); a fresh run just lets the controller go."""
-        if self.resumed_from:
+        checkpoint's weights (same version); a fresh run just lets the controller go.
+        Colocated ranks start with no generation weights: they always get them first."""
+        if self.resumed_from or self.colocated is not None:
             self.publisher.publish(self.engine, self.version)
         elif self.is_driver:
             self.controller.resume()
 
     def _next_batch(self) -> tuple[PackedBatch, dict[str, float]]:
         """The driver's next B groups as a packed batch, on every rank."""
-        batch, stats = None, {}
+        groups, stats = self._collect()
+        batch = None
         if self.is_driver:
-            groups = self._wait_for_groups()
-            batch, stats = groups_to_batch(groups, self.cfg.algo)
+            batch, batch_stats = groups_to_batch(groups, self.cfg.algo)
+            stats.update(batch_stats)
             lags = [self.version - g.min_version for g in groups]
             stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
             record_trained(self.out_dir, self.step + 1, groups)
         return broadcast_batch(batch), stats
+
+    def _collect(self) -> tuple[list[Any] | None, dict[str, float]]:
+        """The driver's B groups (None elsewhere); a colocated rank generates meanwhile."""
+        wait = self._wait_for_groups if self.is_driver else None
+        if self.colocated is not None:
+            return self.colocated.collect(wait)
+        return (wait() if wait else None), {}
 
     def _wait_for_groups(self) -> list[Any]:
         """B groups from the controller, waiting at most the batch limit that follows from

@@ -7,7 +7,9 @@ places every role the runtime runs:
 - ``actor_gen`` -> ``generate.num_servers`` (its dp) and ``generate.tp`` (ranks per
   server; its pp must be 1);
 - ``critic_train`` (PPO with GAE) trains beside the actor (same ranks, same layout), so a
-  plan that puts it elsewhere is refused rather than silently ignored.
+  plan that puts it elsewhere is refused rather than silently ignored;
+- the plan's ``mode`` -> ``parallel.mode``; a colocated plan runs synchronously, so it
+  also sets ``rollout.max_staleness`` to 0 (saying so when the recipe had another value).
 
 It runs in the supervisor before any process starts, so a plan the runtime cannot
 execute (:mod:`realscale.planner.validate`) is refused with a one-line
@@ -62,4 +64,19 @@ def apply_plan(cfg: "Config") -> "Config":
     cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
     if cfg.parallel.sequence_parallel and s.tp == 1:
         cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
+    cfg.parallel.mode = plan.mode
+    if plan.mode == "colocated":
+        _apply_colocated(cfg)
     return cfg
+
+
+def _apply_colocated(cfg: "Config") -> None:
+    from realscale.config import colocated_problem
+
+    if cfg.rollout.max_staleness:
+        print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run is "
+              f"synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
+        cfg.rollout.max_staleness = 0
+    problem = colocated_problem(cfg)
+    if problem:
+        raise ConfigError(f"parallel.plan {cfg.parallel.plan}: a colocated plan: {problem}")

@@ -460,30 +460,11 @@ class Config:
 
     def __post_init__(self) -> None:
         # Settings that only make sense together (each section checked its own above).
-        if self.parallel.mode == "colocated":
-            colocated_conflict = colocated_problem(self)
-            if colocated_conflict:
-                raise ConfigError(f"parallel.mode=colocated: {colocated_conflict}")
         if self.rollout.workflow == "multi_turn" and self.model.path == "sft" \
                 and self.data.source != "task:arith":
             raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
                               f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
                               "or a model.path of your own")
-
-
-def colocated_problem(cfg: "Config") -> str:
-    """Why ``cfg`` cannot run colocated (empty: it can): the trainer ranks generate with the
-    embedded decoder, every rank in the generation layout, synchronously."""
-    g, world = cfg.generate, cfg.parallel.world_size
-    if g.backend != "embedded":
-        return f"the trainer ranks generate with the embedded decoder; generate.backend={g.backend} runs servers"
-    if g.num_servers * g.tp != world:
-        return (f"generate.num_servers x generate.tp = {g.num_servers} x {g.tp} must equal the trainer's "
-                f"{world} ranks (each trainer rank is one generation rank)")
-    if cfg.rollout.max_staleness != 0:
-        return (f"generation and training take turns, so a step is synchronous: set rollout.max_staleness=0 "
-                f"(got {cfg.rollout.max_staleness})")
-    return ""
 
 
 # --------------------------------------------------------------------------- schema walking

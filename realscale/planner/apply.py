@@ -48,9 +48,19 @@ def load_plan(cfg: "Config") -> "Plan":
 
 def apply_plan(cfg: "Config") -> "Config":
     """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp) and the
-    servers' count and tp from it."""
-    if not cfg.parallel.plan:
-        return cfg
+    servers' count and tp from it. A colocated run, planned or not, is checked here too
+    (:func:`realscale.planner.validate.check_colocated`)."""
+    from realscale.planner.validate import check_colocated
+
+    if cfg.parallel.plan:
+        _apply(cfg)
+    if cfg.parallel.mode == "colocated":
+        where = f"parallel.plan {cfg.parallel.plan}: a colocated plan" if cfg.parallel.plan else "parallel.mode=colocated"
+        check_colocated(cfg, where)
+    return cfg
+
+
+def _apply(cfg: "Config") -> None:
     from realscale.planner.validate import check_plan, policy_spec
 
     plan = load_plan(cfg)
@@ -65,18 +75,7 @@ def apply_plan(cfg: "Config") -> "Config":
     if cfg.parallel.sequence_parallel and s.tp == 1:
         cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
     cfg.parallel.mode = plan.mode
-    if plan.mode == "colocated":
-        _apply_colocated(cfg)
-    return cfg
-
-
-def _apply_colocated(cfg: "Config") -> None:
-    from realscale.config import colocated_problem
-
-    if cfg.rollout.max_staleness:
+    if plan.mode == "colocated" and cfg.rollout.max_staleness:
         print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run is "
               f"synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
         cfg.rollout.max_staleness = 0
-    problem = colocated_problem(cfg)
-    if problem:
-        raise ConfigError(f"parallel.plan {cfg.parallel.plan}: a colocated plan: {problem}")

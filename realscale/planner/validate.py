@@ -98,6 +98,23 @@ def _check_model(spec: "ModelSpec", role: str, strategy: object, where: str) -> 
                           "(Megatron needs equal pipeline stages)")
 
 
+def check_colocated(cfg: "Config", where: str) -> None:
+    """A colocated run (after its plan, if any, was applied): the trainer ranks generate with
+    the embedded decoder, every rank in the generation layout, synchronously."""
+    g, world = cfg.generate, cfg.parallel.world_size
+    problem = ""
+    if g.backend != "embedded":
+        problem = f"the trainer ranks generate with the embedded decoder; generate.backend={g.backend} runs servers"
+    elif g.num_servers * g.tp != world:
+        problem = (f"generate.num_servers x generate.tp = {g.num_servers} x {g.tp} must equal the trainer's "
+                   f"{world} ranks (each trainer rank is one generation rank)")
+    elif cfg.rollout.max_staleness != 0:
+        problem = (f"generation and training take turns, so a step is synchronous: set rollout.max_staleness=0 "
+                   f"(got {cfg.rollout.max_staleness})")
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+
+
 def ranks_needed(cfg: "Config") -> tuple[int, int]:
     """(trainer ranks, generation-server ranks) of a run; colocated runs have no servers."""
     if cfg.parallel.mode == "colocated":

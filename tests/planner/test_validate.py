@@ -42,7 +42,9 @@ REFUSALS = [
     ({"actor_gen": ("0:2", "d1t1p2"), "actor_train": ("2:3", "d1t1p1")}, "disaggregated", "pp must be 1"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:5", "d1t4p1")}, "disaggregated", "key/value head groups"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:5", "d1t1p4")}, "disaggregated", "more than the model's 2"),
-    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1")}, "colocated", "mode colocated"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("0:2", "d2t1p1")}, "colocated",
+     "actor_gen gpus\\[0:1\\] must equal actor_train"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("0:1", "d1t1p1")}, "elsewhere", "mode 'elsewhere' is not one"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "ref_inf": ("2:3", "d1t1p1")},
      "disaggregated", "role ref_inf is not placed"),
     ({"actor_gen": ("0:1", "d1t1p1")}, "disaggregated", "no actor_train role"),
@@ -111,3 +113,38 @@ def test_realscale_plan_plans_this_machine(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     cfg = _apply(str(out), "launch.oversubscribe=true")
     assert cfg.parallel.world_size + cfg.generate.num_servers * cfg.generate.tp <= 4
+
+
+def test_a_colocated_plan_places_both_layouts_on_the_same_ranks_and_runs_synchronously(tmp_path: Path,
+                                                                                      capsys) -> None:
+    plan = _plan(tmp_path, {"actor_gen": ("0:2", "d2t1p1"), "actor_train": ("0:2", "d1t2p1")}, "colocated")
+    cfg = _apply(plan, "rollout.max_staleness=3")
+    assert (cfg.parallel.mode, cfg.parallel.tp, cfg.generate.num_servers, cfg.generate.tp) == ("colocated", 2, 2, 1)
+    assert cfg.rollout.max_staleness == 0 and "max_staleness 3 -> 0" in capsys.readouterr().out
+    check_capacity(cfg, 2, "CPU cores", "parallel.plan", gpus=False)  # no server ranks of their own
+    with pytest.raises(ConfigError, match="generate.backend=vllm runs servers"):
+        _apply(plan, "generate.backend=vllm")
+
+
+def test_colocated_without_a_plan_must_cover_the_ranks_and_be_synchronous() -> None:
+    ok = ["parallel.mode=colocated", "parallel.tp=2", "generate.num_servers=2", "rollout.max_staleness=0"]
+    assert apply_plan(load_config(None, [*TINY, *ok])).parallel.mode == "colocated"
+    with pytest.raises(ConfigError, match=r"parallel.mode=colocated: generate.num_servers x generate.tp = 1 x 1 "
+                                          "must equal the trainer's 2 ranks"):
+        apply_plan(load_config(None, [*TINY, *ok[:2], "rollout.max_staleness=0"]))
+    with pytest.raises(ConfigError, match="set rollout.max_staleness=0 \\(got 2\\)"):
+        apply_plan(load_config(None, [*TINY, *ok[:3], "rollout.max_staleness=2"]))
+
+
+def test_realscale_plan_mode_colocated_gives_a_plan_a_colocated_run_takes(tmp_path: Path) -> None:
+    from realscale.models.tiny import resolve_model_path
+
+    out = tmp_path / "plan.yaml"
+    res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", resolve_model_path("tiny-qwen2"),
+                          "--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu", "--mode", "colocated",
+                          "--no-ref", "--batch", "8", "--n-samples", "4", "--gen-len", "16", "--prompt-len", "16",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    cfg = _apply(str(out))
+    assert cfg.parallel.mode == "colocated" and cfg.rollout.max_staleness == 0
+    assert cfg.generate.num_servers * cfg.generate.tp == cfg.parallel.world_size == 2

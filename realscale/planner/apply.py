@@ -47,20 +47,30 @@ def load_plan(cfg: "Config") -> "Plan":
 
 
 def apply_plan(cfg: "Config") -> "Config":
-    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp) and the
-    servers' count and tp from it. A colocated run, planned or not, is checked here too
-    (:func:`realscale.planner.validate.check_colocated`)."""
+    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp), the
+    servers' count and tp, and the mode from it. A colocated run, planned or not, is
+    checked here too (:func:`realscale.planner.validate.check_colocated`)."""
     from realscale.planner.validate import check_colocated
 
     if cfg.parallel.plan:
-        _apply(cfg)
+        plan = _checked_plan(cfg)
+        s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
+        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
+        cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
+        if cfg.parallel.sequence_parallel and s.tp == 1:
+            cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
+        cfg.parallel.mode = plan.mode
+        if plan.mode == "colocated" and cfg.rollout.max_staleness:
+            print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run "
+                  f"is synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
+            cfg.rollout.max_staleness = 0
     if cfg.parallel.mode == "colocated":
         where = f"parallel.plan {cfg.parallel.plan}: a colocated plan" if cfg.parallel.plan else "parallel.mode=colocated"
         check_colocated(cfg, where)
     return cfg
 
 
-def _apply(cfg: "Config") -> None:
+def _checked_plan(cfg: "Config") -> "Plan":
     from realscale.planner.validate import check_plan, policy_spec
 
     plan = load_plan(cfg)
@@ -69,13 +79,4 @@ def _apply(cfg: "Config") -> None:
     except LayoutError as exc:
         raise ConfigError(f"parallel.plan: the policy model: {exc}") from None
     check_plan(plan, spec, f"parallel.plan {cfg.parallel.plan}")
-    s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
-    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
-    cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
-    if cfg.parallel.sequence_parallel and s.tp == 1:
-        cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
-    cfg.parallel.mode = plan.mode
-    if plan.mode == "colocated" and cfg.rollout.max_staleness:
-        print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run is "
-              f"synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
-        cfg.rollout.max_staleness = 0
+    return plan

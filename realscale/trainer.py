@@ -11,7 +11,9 @@ holds the servers' control. Then, each step:
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
    data-parallel rank on its token-balanced share; with GAE the critic
    (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
-   value-loss steps after;
+   value-loss steps after; with ``algo.kl_coef > 0`` the frozen reference policy
+   (:mod:`realscale.train.reference`, same ranks and layout) gives reference log-probs
+   for the KL penalty;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -48,6 +50,7 @@ from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoin
                                         rotate_checkpoints, save_checkpoint, truncate_logs)
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
+from realscale.train.reference import reference_for
 
 if TYPE_CHECKING:
     from realscale.metrics import MetricsLogger
@@ -68,6 +71,7 @@ class Trainer:
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
             self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
+        self.ref = reference_for(cfg, model_dir)  # KL penalty: frozen starting weights, beside the actor
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
@@ -78,7 +82,7 @@ class Trainer:
                 self.critic.load(critic_dir(self.resumed_from))
         self.colocated: ColocatedGeneration | None = None
         if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
-            self.colocated = ColocatedGeneration(cfg, model_dir, self.engine)
+            self.colocated = ColocatedGeneration(cfg, model_dir, self.engine, idle_while_generating=[self.ref])
             server_urls = self.colocated.urls
         self.controller: RolloutController | None = None
         self.logger: MetricsLogger | None = None
@@ -134,7 +138,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch, stats = self._next_batch()
         t_wait = time.perf_counter() - t0
-        stats.update(update_policy(self.engine, batch, self.cfg, self.critic))
+        stats.update(update_policy(self.engine, batch, self.cfg, self.critic, self.ref))
         t_train = time.perf_counter() - t0 - t_wait
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))

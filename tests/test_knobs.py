@@ -46,6 +46,7 @@ CONSUMERS: dict[str, str] = {
     "model.path": "realscale.sft:prepare_policy_model",
     "model.dtype": "realscale.train.engine:EngineConfig.from_config",
     "model.tokenizer": "realscale.rollout.factory:build_controller",
+    "model.ref_path": "realscale.train.reference:reference_model_dir",
     # parallel
     "parallel.tp": "realscale.train.engine:EngineConfig.from_config",
     "parallel.pp": "realscale.train.engine:EngineConfig.from_config",

@@ -27,6 +27,11 @@ rank calls each method, in the same order:
   memory is released (``parallel.release_idle_memory``) and training has the memory and
   every core to itself.
 
+With ``parallel.release_idle_memory`` the models training needs but generation does not
+(the frozen reference policy of the KL penalty: ``offload()`` / ``restore()``,
+:mod:`realscale.train.reference`) are released from the start of ``publish`` to the end of
+``collect``, so each phase holds only its own layout.
+
 How this departs from ReaL: ReaL's generation is a call inside its model worker; ours keeps
 SGLang's HTTP protocol between the rollout controller and the generating ranks (in-process,
 on loopback), so that the rollout side (workflows, rewards, filters, request timeouts) is
@@ -43,6 +48,7 @@ import datetime
 import gc
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
@@ -132,7 +138,8 @@ class ColocatedGeneration:
     """This trainer rank's part of the generation layout (module docstring). Its
     ``publish`` / ``close`` are :class:`~realscale.generate.publish.WeightPublisher`'s."""
 
-    def __init__(self, cfg: "Config", model_dir: str, engine: "MegatronEngine") -> None:
+    def __init__(self, cfg: "Config", model_dir: str, engine: "MegatronEngine",
+                 idle_while_generating: Sequence[Any | None] = ()) -> None:
         from realscale.generate.publish import check_megatron_order
         from realscale.parallel.device import local_device
         from realscale.parallel.model_spec import spec_from_hf_config
@@ -145,6 +152,7 @@ class ColocatedGeneration:
         self.gen = Strategy(dp=g.num_servers, tp=g.tp, pp=1)
         self.replica, self.tp_rank = divmod(self.rank, self.gen.tp)
         self.release_idle = cfg.parallel.release_idle_memory
+        self.idle_while_generating = [m for m in idle_while_generating if m is not None]
         self.dtype = engine.config.params_dtype
         self.spec = spec_from_hf_config(engine.hf_config, itemsize=self.dtype.itemsize)
         self.src = Layout(Mesh(0, world), Strategy(r.dp, r.tp, r.pp))
@@ -204,6 +212,9 @@ class ColocatedGeneration:
 
         start = time.perf_counter()
         self._rss_train = proc_status_mb("VmRSS")  # after the update, before the generation memory returns
+        if self.release_idle:
+            for model in self.idle_while_generating:
+                model.offload()
         self.worker.build()
         src_buf = comm_empty(self.resharder.src_idx.numel, self.dtype, self.resharder.comm.backend)
         pack_megatron(local_params(engine.model), self.spec, self.src, self.rank, src_buf)
@@ -236,6 +247,8 @@ class ColocatedGeneration:
         rss_gen = proc_status_mb("VmRSS")
         if self.release_idle:
             self.worker.release()
+            for model in self.idle_while_generating:
+                model.restore()
         return result, {"perf/generate_s": time.perf_counter() - start, **self._memory(rss_gen)}
 
     def _drive(self, wait: Callable[[], T] | None) -> T | None:

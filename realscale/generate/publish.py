@@ -426,6 +426,8 @@ class ReshardTransport(WeightTransport):
         self.src_buf: Any = None
         self.store: Any = None  # rank 0: the weight world's TCPStore
         self.rebuilds = 0
+        self.sent_bytes = 0  # what this trainer rank sent in the last send
+        self.received: dict[str, list[int]] = {}  # rank 0: bytes each server rank reported receiving, by URL
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         from realscale.parallel.model_spec import spec_from_hf_config
@@ -450,11 +452,12 @@ class ReshardTransport(WeightTransport):
             body = {"name": self.member.world.name, "weight_version": str(version)}
             pending = control.submit(lambda c: c.post_each("/realscale/update_weights_reshard",
                                                            {u: body for u in self.members}))
-        self.member.send(self.src_buf)
+        self.sent_bytes = self.member.send(self.src_buf).send_bytes
         if pending is None:
             return SyncStats()
         replies = pending.result(timeout=self.timeout_s)
-        delivered = sum(sum(r["recv_bytes"]) for r in replies.values())
+        self.received = {u: list(r["recv_bytes"]) for u, r in replies.items()}
+        delivered = sum(sum(r) for r in self.received.values())
         return SyncStats(bytes=delivered, lower_bound=self.member.lower_bound_bytes(),
                          extra={"perf/weight_sync_rebuilds": float(self.rebuilds)})
 

@@ -159,9 +159,18 @@ class EmbeddedServer:
                 self.engine.submit(r)
         if fmt["stream"]:
             return await self._stream(request, reqs, fmt)
-        done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs))
+        try:
+            done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs))
+        except asyncio.CancelledError:  # the client went away (handler_cancellation): as SGLang, abort
+            self._abort_unfinished(reqs)
+            raise
         out = [self._response(r, fmt, i) for i, r in enumerate(done)]
         return web.json_response(out[0] if fmt["single"] else out)
+
+    def _abort_unfinished(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if not r.future.done():
+                self.engine.call(lambda rid=r.rid: self.engine.abort(rid))
 
     def _requests(self, batch: list[list[int]] | None, texts: list[str] | None,
                   req: dict[str, Any]) -> tuple[list[Request], dict[str, Any]]:
@@ -245,8 +254,7 @@ class EmbeddedServer:
                         sent[i] = k
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            for i in pending:
-                self.engine.call(lambda rid=reqs[i].rid: self.engine.abort(rid))
+            self._abort_unfinished(reqs)
             raise
         await resp.write_eof()
         return resp
@@ -554,7 +562,8 @@ def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | No
     server.on_failure = exit_soon
     if sock is not None:
         host = port = None
-    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None)
+    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None,
+                handler_cancellation=True)  # a client that goes away aborts its requests
     return 1 if server.ranks.failure is not None else 0
 
 
@@ -563,7 +572,7 @@ def start_in_thread(server: EmbeddedServer, host: str = "127.0.0.1", port: int =
     import threading
 
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, host, port)
     loop.run_until_complete(site.start())

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
+from realscale.parallel.device import cuda_usable
 
 
 def advertised_host(bind_host: str) -> str:
@@ -81,7 +82,7 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     tp = int(gen.get("tp", 1))  # ranks of this server: this task's process and tp - 1 it spawns
     threads = max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) // tp)
     torch.set_num_threads(threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda_usable() else "cpu"
     server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
                             context_length=int(gen["context_length"]), seed=seed, tp=tp, threads=threads)
     # bind port 0: the kernel picks a port free on this node, no race with other jobs

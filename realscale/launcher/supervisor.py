@@ -68,6 +68,10 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     save_config(cfg, out_dir)
     t0 = time.time()
     model_dir = prepare_policy_model(cfg, out_dir)
+    if cfg.algo.kl_coef:  # a reference of another architecture: one line now, not a rank's traceback later
+        from realscale.train.reference import reference_model_dir  # (imports torch)
+
+        reference_model_dir(cfg, model_dir)
     resumed = latest_checkpoint(out_dir) is not None
     start_path = os.path.join(out_dir, "eval_start.json")
     if resumed and os.path.exists(start_path):

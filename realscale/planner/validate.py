@@ -8,7 +8,12 @@ colocated (ReaL: the trainer ranks themselves generate between updates,
 :mod:`realscale.generate.colocated`). :func:`check_plan` refuses, in one line naming what
 is wrong:
 
-- a role the runtime does not place yet (reference roles: the next issue);
+- a role the runtime does not place yet (roles other than the actor's, the critic's and
+  the reference's);
+- a critic or reference role off the actor's trainer devices: both run on the trainer
+  ranks in the actor's layout (``ref_inf``: any strategy, on some or all of
+  ``actor_train``'s devices; the runtime computes reference log-probs on all of them, in
+  the training layout);
 - meshes that overlap in disaggregated mode; in colocated mode, an ``actor_gen`` mesh
   other than ``actor_train``'s (every trainer rank is one generation rank);
 - a layout the model cannot take (``ModelSpec.check_strategy``: tp must divide the
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
 RUNTIME_ROLES = ("actor_train", "actor_gen")
 PLAN_MODES = ("disaggregated", "colocated")
 CRITIC_ROLES = ("critic_train", "critic_inf")  # PPO with GAE: optional, on the actor's ranks
+REF_ROLE = "ref_inf"  # the KL penalty's reference (algo.kl_coef > 0): optional, on the actor's devices
 
 
 def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
@@ -58,10 +64,10 @@ def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
     for role in RUNTIME_ROLES:
         if role not in plan.roles:
             raise ConfigError(f"{where}: no {role} role (roles: {', '.join(plan.roles)})")
-    extra = [r for r in plan.roles if r not in (*RUNTIME_ROLES, *CRITIC_ROLES)]
+    extra = [r for r in plan.roles if r not in (*RUNTIME_ROLES, *CRITIC_ROLES, REF_ROLE)]
     if extra:
         raise ConfigError(f"{where}: role {extra[0]} is not placed by the runtime yet (only actor_train, "
-                          "actor_gen and the critic's; plan with --no-ref)")
+                          "actor_gen, ref_inf and the critic's)")
     train, gen = plan.roles["actor_train"], plan.roles["actor_gen"]
     # The critic's engine lives on the actor's trainer ranks in the actor's layout: critic_train
     # must be placed exactly there; critic_inf on the same devices (the runtime computes values
@@ -73,6 +79,10 @@ def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
         if not same:
             raise ConfigError(f"{where}: {name} ({critic.strategy} on {critic.mesh}) must share actor_train's "
                               f"placement ({train.strategy} on {train.mesh}): the critic runs on the actor's ranks")
+    ref = plan.roles.get(REF_ROLE)  # on actor_train's devices (all or some): the runtime uses all of them
+    if ref is not None and not train.mesh.start <= ref.mesh.start < ref.mesh.end <= train.mesh.end:
+        raise ConfigError(f"{where}: ref_inf on {ref.mesh} must be on actor_train's devices ({train.mesh}): the "
+                          "reference runs on the trainer ranks in the actor's layout (its own mesh is not implemented)")
     if plan.mode == "colocated" and gen.mesh != train.mesh:
         raise ConfigError(f"{where}: a colocated plan generates on actor_train's devices (each trainer rank is "
                           f"one generation rank): actor_gen {gen.mesh} must equal actor_train {train.mesh}")

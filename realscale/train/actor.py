@@ -8,7 +8,9 @@
   ``train.mini_batches`` mini-batches; each data-parallel rank trains its token-balanced
   share; proximal log-probs (and with a critic, values and GAE advantages) come from the
   models before the first update; the critic (:mod:`realscale.train.critic`) then takes
-  its value-loss steps on the same shares.
+  its value-loss steps on the same shares. With a reference policy
+  (:mod:`realscale.train.reference`, ``algo.kl_coef > 0``) its log-probs are computed
+  then too, and the loss adds the KL penalty.
 
 The loss arguments come from :func:`realscale.algo.losses.loss_kwargs_from_config`, the
 one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from realscale.rollout.types import Group
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
+    from realscale.train.reference import ReferenceEngine
 
 
 def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "AlgoConfig") -> torch.Tensor:
@@ -105,7 +108,7 @@ def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
 
     def loss(logp: torch.Tensor, mb: PackedBatch, normalizer: torch.Tensor
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        f = mb.fields
+        f = {k: v.to(logp.device) for k, v in mb.fields.items()}  # on GPUs the fields come from CPU
         return ppo_loss(logp, f["behav_logprobs"], f["advantages"], f["loss_mask"],
                         logp_prox=f.get("prox_logprobs") if algo.decoupled else None,
                         logp_ref=f.get("ref_logprobs"),
@@ -142,11 +145,28 @@ def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> 
         s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
 
 
+def reference_kl(engine: "MegatronEngine", ref: "ReferenceEngine", shares: list[PackedBatch],
+                 algo: "AlgoConfig") -> dict[str, float]:
+    """Reference log-probs on every share, and the measured KL of the policy before this
+    step's update (the proximal log-probs; computed here when not decoupled)."""
+    from realscale.train.reference import add_ref_logprobs, measured_kl
+
+    add_ref_logprobs(ref, shares)
+    key = "prox_logprobs"
+    if not algo.decoupled:  # no proximal pass to reuse: one forward, for the measurement only
+        key = "policy_logprobs"
+        for share in shares:
+            share.fields[key] = engine.logprobs(share)["logprobs"]
+    return {"actor/kl_ref": measured_kl(shares, key, algo, engine.ranks)}
+
+
 def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
-                  critic: "CriticEngine | None" = None) -> dict[str, float]:
+                  critic: "CriticEngine | None" = None, ref: "ReferenceEngine | None" = None) -> dict[str, float]:
     """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
     of each mini-batch. Every trainer rank calls it with the same batch. With a
-    ``critic`` (GAE), its values give the advantages and it is updated after the actor."""
+    ``critic`` (GAE), its values give the advantages and it is updated after the actor.
+    With a reference ``ref``, its log-probs enter the loss (``algo.kl_coef``) and the
+    measured KL is reported (``actor/kl_ref``)."""
     r = engine.ranks
     parts = mini_batches(batch, cfg.train.mini_batches)
     if any(p.num_seqs < r.dp for p in parts):
@@ -158,6 +178,7 @@ def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
         if critic is not None:
             gae_advantages(critic, share, cfg.algo)
+    kl_stats = reference_kl(engine, ref, shares, cfg.algo) if ref is not None else {}
     if cfg.algo.normalize_adv_over_batch:
         normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
@@ -165,6 +186,9 @@ def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
     for share in shares:
         step_stats = engine.train_step(share, loss_fn, norm_fn)
     stats = {f"train/{k}": v for k, v in step_stats.items()}
+    stats.update(kl_stats)
+    if "train/kl" in stats:
+        stats["actor/kl_loss"] = cfg.algo.kl_coef * stats["train/kl"]
     if critic is not None:
         stats.update(update_critic(critic, shares, cfg.critic))
     return stats

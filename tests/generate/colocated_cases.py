@@ -22,18 +22,15 @@ def _expected(engine: Any, spec: Any, gen: Any, world: int) -> dict[int, dict[st
     """Rank 0: each generation rank's tensor hashes from the exported weights (collective)."""
     import torch.distributed as dist
 
-    from realscale.generate.weight_world_routes import spec_full_from_hf
-    from realscale.generate.weights import tensor_hashes
+    from realscale.generate.weights import full_megatron_tensors, shard_hashes
     from realscale.parallel.mesh import Layout, Mesh
-    from realscale.parallel.reshard import shard_index
-    from realscale.parallel.reshard_exec import pack_shard
 
-    hf = {n: t for bucket in engine.export_hf_weights() for n, t in bucket}
+    named = [nt for bucket in engine.export_hf_weights() for nt in bucket]
     if dist.get_rank() != 0:
         return None
-    full = spec_full_from_hf(spec, hf, engine.arch)
+    full = full_megatron_tensors(named, spec, engine.arch)
     dst = Layout(Mesh(0, world), gen)
-    return {g: tensor_hashes(spec, shard_index(spec, dst, g), pack_shard(spec, dst, g, full)) for g in range(world)}
+    return {g: shard_hashes(spec, dst, g, full) for g in range(world)}
 
 
 def publish_cases(model_dir: str, cases: list[tuple[str, str, bool]], steps: int = 2) -> list[dict[str, Any]]:

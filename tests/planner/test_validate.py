@@ -46,7 +46,11 @@ REFUSALS = [
      "actor_gen gpus\\[0:1\\] must equal actor_train"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("0:1", "d1t1p1")}, "elsewhere", "mode 'elsewhere' is not one"),
     ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "ref_inf": ("2:3", "d1t1p1")},
-     "disaggregated", "role ref_inf is not placed"),
+     "disaggregated", r"ref_inf on gpus\[2:3\] must be on actor_train's devices"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("2:4", "d1t2p1"), "ref_inf": ("1:3", "d1t2p1")},
+     "disaggregated", r"ref_inf on gpus\[1:3\] must be on actor_train's devices"),
+    ({"actor_gen": ("0:1", "d1t1p1"), "actor_train": ("1:2", "d1t1p1"), "reward": ("2:3", "d1t1p1")},
+     "disaggregated", "role reward is not placed"),
     ({"actor_gen": ("0:1", "d1t1p1")}, "disaggregated", "no actor_train role"),
 ]
 
@@ -56,6 +60,16 @@ def test_plans_the_runtime_cannot_execute_are_refused_in_one_line(tmp_path: Path
     with pytest.raises(ConfigError, match=reason) as info:
         _apply(_plan(tmp_path, roles, mode))
     assert "\n" not in str(info.value)
+
+
+def test_a_reference_on_the_actors_devices_is_accepted(tmp_path: Path) -> None:
+    """ref_inf on actor_train's mesh runs there, in the actor's layout, whatever strategy the planner costed."""
+    cfg = _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
+                                  "ref_inf": ("2:4", "d2t1p1")}), "algo.kl_coef=0.1")
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (1, 2, 1)
+    # part of the actor's devices: the reference still runs on all of them
+    _apply(_plan(tmp_path, {"actor_gen": ("0:2", "d1t2p1"), "actor_train": ("2:4", "d1t2p1"),
+                            "ref_inf": ("3:4", "d1t1p1")}), "algo.kl_coef=0.1")
 
 
 def test_pipeline_stages_must_split_the_layers_evenly(tmp_path: Path) -> None:
@@ -88,14 +102,13 @@ def test_capacity_rule_one_device_per_rank() -> None:
 def test_local_backend_refuses_a_plan_larger_than_the_machine(tmp_path: Path) -> None:
     import os
 
-    from realscale.launcher import LaunchError
     from realscale.launcher.local import LocalBackend
 
     cores = os.cpu_count() or 1
     plan = _plan(tmp_path, {"actor_gen": (f"0:{cores}", f"d{cores}t1p1"), "actor_train": (f"{cores}:{cores + 1}",
                                                                                          "d1t1p1")})
     cfg = _apply(plan, "launch.backend=local")
-    with pytest.raises(LaunchError, match=f"needs {cores + 1} ranks .* there are {cores} CPU cores"):
+    with pytest.raises(ConfigError, match=f"needs {cores + 1} ranks .* there are {cores} CPU cores"):
         LocalBackend(cfg, str(tmp_path / "run")).prepare()
     cfg.launch.oversubscribe = True
     LocalBackend(cfg, str(tmp_path / "run")).prepare()

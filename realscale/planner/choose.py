@@ -130,16 +130,25 @@ def _why(costs: dict[str, ModeCost], eta: int, gen_len: int, mean_gen: int) -> s
                 f"{colo.sync_s:.3g} s of reshard (layouts or memory favour separate devices)")
     if dis.step_s < colo.step_s:
         share = colo.generate_s / max(colo.step_s, 1e-12)
-        return (f"generation is {share:.0%} of a colocated step and its tail is long (longest answer {tail:.1f}x "
-                f"the mean): with eta={eta}, generating on {dis.generate_devices} devices while "
-                f"{dis.train_devices} train overlaps the phases (max instead of sum) and pays the mean answer "
-                "length, which outweighs having fewer devices per phase")
+        gain = (f"its tail is long (longest answer {tail:.1f}x the mean), which synchronous waves pay in full and "
+                "continuous batching does not" if tail >= 2.5 else
+                f"the phases are balanced enough (generation {dis.generate_s:.3g} s, training {dis.train_s:.3g} s "
+                "on split devices) that running them at the same time beats running each on every device")
+        return (f"generation is {share:.0%} of a colocated step and {gain}: with eta={eta}, generating on "
+                f"{dis.generate_devices} devices while {dis.train_devices} train, the step is the slower phase, "
+                "not the sum")
+    overlapped, together = max(dis.generate_s, dis.train_s), colo.generate_s + colo.train_s
+    short = (f"; answers are short or even (longest {tail:.1f}x the mean), so the long tail costs little"
+             if tail < 2.5 else "")
+    if overlapped < together:
+        return (f"overlapping the phases saves {together - overlapped:.3g} s (max {overlapped:.3g} s on split devices "
+                f"vs {together:.3g} s on all), less than the disaggregated weight update costs over colocated's "
+                f"in-place reshard ({dis.sync_s:.3g} s vs {colo.sync_s:.3g} s: pause, move, resume the servers)"
+                + short)
     bottleneck = "generation" if dis.generate_s >= dis.train_s else "training"
-    return (f"the phases do not overlap well enough: split across devices, {bottleneck} alone takes "
-            f"{max(dis.generate_s, dis.train_s):.3g} s, more than colocated's whole step minus its reshard "
-            f"({colo.generate_s + colo.train_s:.3g} s) with every device on each phase"
-            + (f"; answers are short or even (longest {tail:.1f}x the mean), so the long tail costs little"
-               if tail < 2.5 else "") + f" (eta={eta} does not pay for the split)")
+    return (f"split across devices, {bottleneck} alone takes {overlapped:.3g} s, more than colocated's generation "
+            f"and training together ({together:.3g} s) with every device on each phase, so eta={eta} does not pay "
+            "for the split" + short)
 
 
 def choice_summary(lines: list[str]) -> str:

@@ -114,17 +114,22 @@ def test_local_backend_refuses_a_plan_larger_than_the_machine(tmp_path: Path) ->
     LocalBackend(cfg, str(tmp_path / "run")).prepare()
 
 
-def test_realscale_plan_plans_this_machine(tmp_path: Path) -> None:
-    """`realscale plan` for a CPU "cluster" of 1 node x N cores yields a plan a run takes."""
+def _realscale_plan(tmp_path: Path, mode: str, cores: int) -> str:
+    """`realscale plan` of the tiny model for a CPU "cluster" of 1 node x ``cores``; the plan's path."""
     from realscale.models.tiny import resolve_model_path
 
     out = tmp_path / "plan.yaml"
     res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", resolve_model_path("tiny-qwen2"),
-                          "--nodes", "1", "--gpus-per-node", "4", "--gpu", "cpu", "--mode", "disaggregated",
-                          "--no-ref", "--batch", "32", "--n-samples", "8", "--gen-len", "24", "--prompt-len", "16",
+                          "--nodes", "1", "--gpus-per-node", str(cores), "--gpu", "cpu", "--mode", mode, "--no-ref",
+                          "--batch", "32", "--n-samples", "8", "--gen-len", "24", "--prompt-len", "16",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    cfg = _apply(str(out), "launch.oversubscribe=true")
+    return str(out)
+
+
+def test_realscale_plan_plans_this_machine(tmp_path: Path) -> None:
+    """`realscale plan` for a CPU "cluster" of 1 node x N cores yields a plan a run takes."""
+    cfg = _apply(_realscale_plan(tmp_path, "disaggregated", 4), "launch.oversubscribe=true")
     assert cfg.parallel.world_size + cfg.generate.num_servers * cfg.generate.tp <= 4
 
 
@@ -150,14 +155,6 @@ def test_colocated_without_a_plan_must_cover_the_ranks_and_be_synchronous() -> N
 
 
 def test_realscale_plan_mode_colocated_gives_a_plan_a_colocated_run_takes(tmp_path: Path) -> None:
-    from realscale.models.tiny import resolve_model_path
-
-    out = tmp_path / "plan.yaml"
-    res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", resolve_model_path("tiny-qwen2"),
-                          "--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu", "--mode", "colocated",
-                          "--no-ref", "--batch", "8", "--n-samples", "4", "--gen-len", "16", "--prompt-len", "16",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    cfg = _apply(str(out))
+    cfg = _apply(_realscale_plan(tmp_path, "colocated", 2))
     assert cfg.parallel.mode == "colocated" and cfg.rollout.max_staleness == 0
     assert cfg.generate.num_servers * cfg.generate.tp == cfg.parallel.world_size == 2

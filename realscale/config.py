@@ -101,11 +101,14 @@ class ParallelConfig:
     sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
     plan: str = knob("", "Plan YAML from `realscale plan --out`; when set, its actor_train role's dp/tp/pp replace the three above.")
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
+    mode: str = knob("disaggregated", "disaggregated: generation servers on devices of their own, asynchronous under rollout.max_staleness (AReaL); colocated: the trainer ranks themselves generate between updates, in the layout generate.num_servers x generate.tp (which must cover the trainer's ranks), synchronously (max_staleness 0; ReaL). A plan's mode sets it.")
+    release_idle_memory: bool = knob(True, "Colocated mode: release what a phase does not use: the generation layout's weights and KV cache while training (built again each step), the frozen reference policy (algo.kl_coef > 0) while generating; false keeps everything resident.")
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             _positive("parallel", name, getattr(self, name))
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
+        _one_of("parallel", "mode", self.mode, ("disaggregated", "colocated"))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel: needs parallel.tp > 1")
 

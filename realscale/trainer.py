@@ -25,6 +25,11 @@ step:
 
 Asynchrony is all in the controller: while step N trains, generation for later steps
 goes on under the old weights, and η bounds how old a trained token may be.
+
+Colocated mode (``parallel.mode: colocated``) has no servers of its own: the trainer ranks
+generate in a layout of their own while the driver waits for its batch, and "publish"
+reshards the weights into that layout in place
+(:class:`realscale.generate.colocated.ColocatedGeneration`; η = 0).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
+from realscale.generate.colocated import ColocatedGeneration
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
@@ -78,6 +84,10 @@ class Trainer:
             self.step, self.version = int(extra["step"]), int(extra["version"])
             if self.critic is not None:
                 self.critic.load(critic_dir(self.resumed_from))
+        self.colocated: ColocatedGeneration | None = None
+        if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
+            self.colocated = ColocatedGeneration(cfg, model_dir, self.engine, idle_while_generating=[self.ref])
+            server_urls = self.colocated.urls
         self.controller: Rollouts | None = None
         self.logger: MetricsLogger | None = None
         control = None
@@ -85,7 +95,10 @@ class Trainer:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
             control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls],
                                     client_factory(cfg, server_urls))
-        self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
+        if self.colocated is not None:
+            self.colocated.control = control
+        self.publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
+                                                           cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
                       ) -> tuple["Rollouts", "MetricsLogger"]:
@@ -145,8 +158,9 @@ class Trainer:
 
     def _start_generation(self) -> None:
         """Servers start from the base model: after a resume they first get the
-        checkpoint's weights (same version); a fresh run just lets the controller go."""
-        if self.resumed_from:
+        checkpoint's weights (same version); a fresh run just lets the controller go.
+        Colocated ranks start with no generation weights: they always get them first."""
+        if self.resumed_from or self.colocated is not None:
             self.publisher.publish(self.engine, self.version)
         elif self.is_driver:
             self.controller.resume()
@@ -154,14 +168,24 @@ class Trainer:
     def _next_batch(self) -> tuple[list[PackedBatch], dict[str, float], ScatterStats]:
         """This rank's share of every mini-batch of the next B groups."""
         split, stats = None, {}
+        rollouts, generation = self._collect()
         if self.is_driver:
-            rollouts = self.controller.next_batch(self.cfg.rollout.batch_size, self.version)
             record_trained(self.out_dir, self.step + 1, rollouts.uids)
             split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
-            stats = rollouts.stats
+            stats = {**rollouts.stats, **generation}
         shares, moved = self.scatter.scatter(split)
         stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)
         return shares, stats, moved
+
+    def _collect(self) -> tuple[Any, dict[str, float]]:
+        """The driver's next B groups, packed (None elsewhere); a colocated rank generates
+        meanwhile."""
+        wait = None
+        if self.is_driver:
+            wait = lambda: self.controller.next_batch(self.cfg.rollout.batch_size, self.version)  # noqa: E731
+        if self.colocated is not None:
+            return self.colocated.collect(wait)
+        return (wait() if wait else None), {}
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:

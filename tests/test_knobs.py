@@ -54,6 +54,8 @@ CONSUMERS: dict[str, str] = {
     "parallel.sequence_parallel": "realscale.train.engine:EngineConfig.from_config",
     "parallel.plan": "realscale.planner.apply:apply_plan",
     "parallel.backend": "realscale.trainer:Trainer.__init__",
+    "parallel.mode": "realscale.trainer:Trainer.__init__",
+    "parallel.release_idle_memory": "realscale.generate.colocated:ColocatedGeneration.__init__",
     # optim
     "optim.lr": "realscale.train.engine:EngineConfig.from_config",
     "optim.min_lr": "realscale.train.engine:EngineConfig.from_config",

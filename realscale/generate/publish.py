@@ -185,7 +185,7 @@ class WeightTransport(abc.ABC):
         """Release groups and files."""
 
 
-def _sum_over_ranks(values: list[int]) -> list[int]:
+def sum_over_ranks(values: list[int]) -> list[int]:
     """Element-wise sum of small counters over the trainer's ranks (gloo or NCCL)."""
     import torch
     import torch.distributed as dist
@@ -239,14 +239,14 @@ class BroadcastTransport(WeightTransport):
         if control is None:
             for _ in buckets:  # take part in the gathers; only rank 0 sends
                 pass
-            _sum_over_ranks([0, 0])
+            sum_over_ranks([0, 0])
             return SyncStats()
         sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
                                                       flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
-        delivered, bound = _sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
+        delivered, bound = sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
         return SyncStats(bytes=delivered, lower_bound=bound)
 
     def close(self) -> None:
@@ -326,10 +326,10 @@ class VllmEngineTransport(WeightTransport):
             self.client.version = version
         self.trainer_engine.send_weights()
         if control is None:
-            _sum_over_ranks([0, 0])
+            sum_over_ranks([0, 0])
             return SyncStats()
         receivers = self.client.world_size(self.client.members) - 1
-        delivered, bound = _sum_over_ranks([self.source.nbytes() * receivers,
+        delivered, bound = sum_over_ranks([self.source.nbytes() * receivers,
                                             engine.hf_weight_bytes() * len(self.client.members)])
         return SyncStats(bytes=delivered, lower_bound=bound)
 
@@ -461,7 +461,7 @@ class ReshardTransport(WeightTransport):
 
         itemsize = engine.config.params_dtype.itemsize
         self.spec = spec_from_hf_config(engine.hf_config, itemsize=itemsize)
-        _check_megatron_order(engine)
+        check_megatron_order(engine)
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         import torch.distributed as dist
@@ -554,7 +554,7 @@ def _join_bodies(world: Any, urls: list[str], check_only: bool) -> dict[str, dic
             for i, u in enumerate(urls)}
 
 
-def _check_megatron_order(engine: "MegatronEngine") -> None:
+def check_megatron_order(engine: "MegatronEngine") -> None:
     """The weight world numbers trainer ranks in Megatron's order (tp fastest, then dp,
     then pp): the global rank must be that, or the plan would read the wrong shards."""
     import torch.distributed as dist

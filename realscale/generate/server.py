@@ -54,10 +54,12 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
                  "queued. Retract or finish them, then call /flush_cache.")
 
 
-def _max_positions(model_dir: str) -> int:
+def context_length_for(model_dir: str, requested: int) -> int:
+    """The context a server of ``model_dir`` accepts: ``requested`` (0: 2048), at most the
+    model's ``max_position_embeddings``."""
     from realscale.generate.weights import read_hf_config
 
-    return int(read_hf_config(model_dir).get("max_position_embeddings", 2048))
+    return min(requested or 2048, int(read_hf_config(model_dir).get("max_position_embeddings", 2048)))
 
 
 class EmbeddedServer:
@@ -65,9 +67,12 @@ class EmbeddedServer:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_running: int = 32,
                  context_length: int = 0, weight_version: str = "0", seed: int = 0,
-                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1) -> None:
+                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1,
+                 ranks: ServerRanks | None = None) -> None:
         """``tp`` ranks (this process and ``tp - 1`` spawned ones, ``threads`` torch
-        threads each; this process's own thread count is the caller's)."""
+        threads each; this process's own thread count is the caller's), or ``ranks`` that
+        already run (a colocated trainer's, :meth:`ServerRanks.of_running`; its KV cache
+        must hold ``context_length_for(model_path, context_length)`` tokens)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -75,9 +80,9 @@ class EmbeddedServer:
 
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.context_length = min(context_length or 2048, _max_positions(self.model_path))
-        self.ranks = ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
-                                 max_slots=max_running, max_len=self.context_length, threads=threads)
+        self.context_length = context_length_for(self.model_path, context_length)
+        self.ranks = ranks or ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
+                                          max_slots=max_running, max_len=self.context_length, threads=threads)
         assert self.ranks.worker is not None
         self.hf_config = self.ranks.worker.hf_config
         eos = self.hf_config.eos_token_id

@@ -86,7 +86,8 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     code = 0
     try:
         if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
-            urls = backend.start_servers(model_dir, asdict(cfg))
+            # colocated: the trainer ranks generate themselves (realscale/generate/colocated.py)
+            urls = [] if cfg.parallel.mode == "colocated" else backend.start_servers(model_dir, asdict(cfg))
             backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
             code = backend.wait()
     except KeyboardInterrupt:

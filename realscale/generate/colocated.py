@@ -223,7 +223,7 @@ class ColocatedGeneration:
         if self.server is not None:
             self._on_engine(lambda e: setattr(e, "weight_version", str(version)))
         if self.control is not None:
-            self.control.controller.set_version(version)
+            self.control.rollouts.set_version(version)
         received, local = sum_over_ranks([st.recv_bytes, st.local_bytes])
         return {"perf/weight_sync_s": time.perf_counter() - start, "perf/weight_sync_bytes": float(received),
                 "perf/weight_sync_bytes_lower_bound": float(self.lower_bound),
@@ -255,7 +255,7 @@ class ColocatedGeneration:
         """The driver: let the controller submit until ``wait`` returns, then pause the
         servers (η = 0: nothing is in flight by then)."""
         assert self.control is not None and wait is not None
-        self.control.controller.resume()
+        self.control.rollouts.resume()
         try:
             return wait()
         finally:

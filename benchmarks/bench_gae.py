@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import time
 from typing import Callable
 
@@ -32,6 +32,9 @@ import torch
 
 from realscale import kernels
 from realscale.algo.gae import gae, gae_reference, gae_torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _stats import load_average, spread  # noqa: E402 - benchmarks/ is not a package
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gae.json")
 
@@ -104,6 +107,7 @@ def main() -> None:
     print(f"{args.seqs} sequences, {n_tok:,} tokens (max {int(lengths.max()):,}, median "
           f"{int(lengths.median()):,}), {args.threads} threads, torch {torch.__version__}")
     rows = []
+    load_before = load_average()
     settings = [(1.0, 1.0), (0.99, 0.95), (0.5, 0.3)]
     padded = None if args.skip_slow else (pad(rewards, cu), pad(values, cu), pad(mask, cu, False))
     for gamma, lam in settings:
@@ -116,9 +120,9 @@ def main() -> None:
         if padded is not None:
             pr, pv, pm = padded
             cases.append(("padded 2-D reverse loop (AReaL/verl style)",
-                          lambda: gae_padded_2d(pr, pv, pm, gamma, lam), 1))
+                          lambda: gae_padded_2d(pr, pv, pm, gamma, lam), 3))
             cases.append(("Python loop (definition)",
-                          lambda: gae_reference(rewards, values, cu, gamma, lam, mask=mask)[0], 1))
+                          lambda: gae_reference(rewards, values, cu, gamma, lam, mask=mask)[0], 3))
         for name, fn, reps in cases:
             got = fn()
             if got.dim() == 2:  # padded: compare on the real, unmasked tokens
@@ -130,27 +134,30 @@ def main() -> None:
                     ref = gae(rewards, values, cu, gamma, lam)[0]
             err = float((got - ref).abs().max())
             assert err < 1e-3, f"{name} disagrees with the kernel by {err}"
-            times = timeit(fn, reps)
-            best, med = min(times), statistics.median(times)
-            rows.append({"impl": name, "gamma": gamma, "lam": lam, "tokens": n_tok, "best_s": best,
-                         "median_s": med, "tokens_per_s": n_tok / med, "max_abs_err": err})
+            st = spread(timeit(fn, reps))
+            rows.append({"impl": name, "gamma": gamma, "lam": lam, "tokens": n_tok, "seconds": st.as_dict(),
+                         "median_s": st.median, "tokens_per_s": n_tok / st.median, "max_abs_err": err})
+    load_after = load_average()
     by_setting: dict[tuple[float, float], float] = {}
     for row in rows:
         if row["impl"].startswith("padded"):
             by_setting[(row["gamma"], row["lam"])] = row["median_s"]
-    print(f"\n| implementation | gamma, lam | median ms | best ms | tokens/s | vs padded 2-D |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(f"\nload average {load_before:.2f} -> {load_after:.2f}")
+    print("| implementation | gamma, lam | reps | median ms (IQR) | best ms | tokens/s (median) | vs padded 2-D |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
         ref_s = by_setting.get((row["gamma"], row["lam"]))
         ratio = f"{ref_s / row['median_s']:,.0f}x" if ref_s else "-"
         row["speedup_vs_padded"] = ref_s / row["median_s"] if ref_s else None
-        print(f"| {row['impl']} | {row['gamma']}, {row['lam']} | {row['median_s'] * 1e3:,.2f} | "
-              f"{row['best_s'] * 1e3:,.2f} | {row['tokens_per_s'] / 1e6:,.1f}M | {ratio} |")
+        st = row["seconds"]
+        cell = f"{st['median'] * 1e3:,.2f} ({st['q1'] * 1e3:,.2f}–{st['q3'] * 1e3:,.2f})"
+        print(f"| {row['impl']} | {row['gamma']}, {row['lam']} | {st['n']} | {cell} | "
+              f"{st['lo'] * 1e3:,.2f} | {row['tokens_per_s'] / 1e6:,.1f}M | {ratio} |")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"benchmark": "gae", "machine": platform.processor() or platform.machine(),
                    "cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
-                   "sequences": args.seqs, "tokens": n_tok, "rows": rows}, fh, indent=1)
+                   "load_average": [load_before, load_after], "sequences": args.seqs, "tokens": n_tok, "rows": rows}, fh, indent=1)
     print(f"\nwrote {RESULTS}")
 
 

@@ -22,10 +22,14 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _stats import Spread, load_average, spread  # noqa: E402 - benchmarks/ is not a package
 
 MODEL = "small-qwen2"
 
@@ -103,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and requests (smoke run)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for both sides")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per case (best is kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per case")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -123,19 +127,22 @@ def main() -> None:
     url, stop = start_in_thread(server)
     engine = server.engine
     rows = []
+    load_before = load_average()
     try:
         _engine_run(engine, prompts, [8] * batch, 1.0)  # warm-up
         _hf_generate(hf, prompts, 8, False)
         for name, temp, sample in [("greedy", 0.0, False), ("sampling", 1.0, True)]:
             tokens = batch * new_tokens
-            # Interleaved repeats, best of each: the machine is shared and timings are noisy.
-            t_hf = t_ours = t_http = float("inf")
+            # Interleaved repeats, so machine noise hits every side alike; medians compared.
+            runs: dict[str, list[float]] = {"hf": [], "ours": [], "ours_http": []}
             for _ in range(args.repeats):
-                t_hf = min(t_hf, _hf_generate(hf, prompts, new_tokens, sample))
-                t_ours = min(t_ours, _engine_run(engine, prompts, [new_tokens] * batch, temp))
-                t_http = min(t_http, asyncio.run(_http_run(url, prompts, new_tokens, temp)))
-            rows.append({"case": f"batch {batch}, {name}", "hf_tok_s": tokens / t_hf, "ours_tok_s": tokens / t_ours,
-                         "ours_http_tok_s": tokens / t_http, "ratio": t_hf / t_ours, "ratio_http": t_hf / t_http})
+                runs["hf"].append(tokens / _hf_generate(hf, prompts, new_tokens, sample))
+                runs["ours"].append(tokens / _engine_run(engine, prompts, [new_tokens] * batch, temp))
+                runs["ours_http"].append(tokens / asyncio.run(_http_run(url, prompts, new_tokens, temp)))
+            tok_s = {k: spread(v) for k, v in runs.items()}
+            rows.append({"case": f"batch {batch}, {name}", "tok_s": {k: v.as_dict() for k, v in tok_s.items()},
+                         "ratio": tok_s["ours"].median / tok_s["hf"].median,
+                         "ratio_http": tok_s["ours_http"].median / tok_s["hf"].median})
 
         # Long tail: lognormal output lengths, identical for both sides.
         n_req = 32 if args.quick else 96
@@ -162,12 +169,15 @@ def main() -> None:
     finally:
         stop()
 
+    load_after = load_average()
     print(f"\nmodel {MODEL}: {n_params / 1e6:.2f}M params, torch threads {args.threads}, "
-          f"prompt {prompt_len}, new tokens {new_tokens}")
-    print(f"{'case':<22}{'HF generate':>14}{'ours (engine)':>15}{'ratio':>8}{'ours (HTTP)':>14}{'ratio':>8}")
+          f"prompt {prompt_len}, new tokens {new_tokens}; {args.repeats} interleaved repeats; "
+          f"load average {load_before:.2f} -> {load_after:.2f}")
+    print("| case | HF generate tok/s median (IQR) | ours (engine) | ratio | ours (HTTP) | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"{r['case']:<22}{r['hf_tok_s']:>10.0f} t/s{r['ours_tok_s']:>11.0f} t/s{r['ratio']:>7.2f}x"
-              f"{r['ours_http_tok_s']:>10.0f} t/s{r['ratio_http']:>7.2f}x")
+        t = {k: Spread(**v).cell(1, 0) for k, v in r["tok_s"].items()}
+        print(f"| {r['case']} | {t['hf']} | {t['ours']} | {r['ratio']:.2f}x | {t['ours_http']} | {r['ratio_http']:.2f}x |")
     print(f"\nlong tail: {tail['requests']} requests, lognormal lengths (median {tail['median_len']}, "
           f"max {tail['max_len']}), sampling, {batch} at a time")
     print(f"  continuous (ours)    {tail['continuous_tok_s']:>8.0f} useful tok/s")
@@ -179,7 +189,7 @@ def main() -> None:
 
     out = {"benchmark": "bench_generate", "model": MODEL, "params": n_params, "threads": args.threads,
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
-           "quick": args.quick, "equal_batch": rows, "long_tail": tail, "pause": pause}
+           "quick": args.quick, "load_average": [load_before, load_after], "equal_batch": rows, "long_tail": tail, "pause": pause}
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     dest = os.path.join(os.path.dirname(__file__), "results", "bench_generate.json")
     with open(dest, "w", encoding="utf-8") as fh:

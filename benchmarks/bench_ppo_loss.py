@@ -21,13 +21,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 from typing import Callable
 
 import torch
 
 from realscale.algo.losses import ppo_loss
+
+from _stats import load_average, spread  # noqa: E402 - benchmarks/ is not a package
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ppo_loss.json")
 
@@ -125,26 +126,29 @@ def main() -> None:
     grad_scale = float(ref_out[1:].abs().max())
     torch.testing.assert_close(ours_out, ref_out, rtol=1e-5, atol=1e-9)
     times: dict[str, list[float]] = {"ours": [], "ref": []}
+    load_before = load_average()
     for _ in range(args.reps):  # interleaved, so machine noise hits both alike
         times["ours"].append(fwd_bwd(run_ours, x)[0])
         times["ref"].append(fwd_bwd(run_ref, x)[0])
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
+    load_after = load_average()
+    stats = {k: spread(v) for k, v in times.items()}
+    ratio = stats["ref"].median / stats["ours"].median
     print(f"{args.tokens:,} tokens, {args.threads} threads, torch {torch.__version__}, float32; "
-          f"eps {EPS}/{EPS_HIGH}, dual clip {DUAL}, cap {CAP} (mask)")
+          f"eps {EPS}/{EPS_HIGH}, dual clip {DUAL}, cap {CAP} (mask); load average {load_before:.2f} -> {load_after:.2f}")
     print(f"loss: ours {float(ours_out[0]):.9f}  reference {float(ref_out[0]):.9f}  |diff| {loss_diff:.2e}; "
           f"max |grad diff| {grad_diff:.2e} (max |grad| {grad_scale:.2e})\n")
-    print("| implementation | median ms | best ms | vs reference (median) |")
+    print(f"| implementation | median ms (IQR), {args.reps} reps | best ms | vs reference (median) |")
     print("|---|---:|---:|---:|")
-    print(f"| ours: realscale.algo.losses.ppo_loss | {med['ours'] * 1e3:.2f} | {best['ours'] * 1e3:.2f} | "
-          f"{med['ref'] / med['ours']:.2f}x |")
-    print(f"| reference: AReaL-style ppo_actor_loss_fn | {med['ref'] * 1e3:.2f} | {best['ref'] * 1e3:.2f} | 1.00x |")
+    print(f"| ours: realscale.algo.losses.ppo_loss | {stats['ours'].cell(1e3)} | {stats['ours'].lo * 1e3:.2f} | "
+          f"{ratio:.2f}x |")
+    print(f"| reference: AReaL-style ppo_actor_loss_fn | {stats['ref'].cell(1e3)} | {stats['ref'].lo * 1e3:.2f} | 1.00x |")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"benchmark": "ppo_loss", "machine": platform.processor() or platform.machine(),
                    "cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
-                   "tokens": args.tokens, "reps": args.reps, "median_s": med, "best_s": best,
-                   "speedup_median": med["ref"] / med["ours"], "loss_abs_diff": loss_diff,
+                   "load_average": [load_before, load_after],
+                   "tokens": args.tokens, "reps": args.reps, "seconds": {k: v.as_dict() for k, v in stats.items()},
+                   "speedup_median": ratio, "loss_abs_diff": loss_diff,
                    "grad_max_abs_diff": grad_diff}, fh, indent=1)
     print(f"\nwrote {RESULTS}")
 

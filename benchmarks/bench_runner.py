@@ -7,7 +7,7 @@ The old runner (``realscale/generate/runner.py`` of commit 635c61d: the HF model
 modules with our KV cache) is read from this repository's git history, so this needs a
 git checkout. Both runners serve the same continuous-batching :class:`Engine`: 16
 requests of 32 prompt tokens, 128 greedy tokens each (no early stop), ``small-qwen2``,
-fp32; interleaved repeats, the best of each kept (the machine is shared). Also checks
+fp32; interleaved repeats, the median (with its spread) and the best of each reported. Also checks
 that both produce the same tokens. Writes ``benchmarks/results/bench_runner.json``.
 """
 
@@ -25,6 +25,9 @@ import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _stats import load_average, spread  # noqa: E402 - benchmarks/ is not a package
 
 OLD_COMMIT = "635c61d"
 MODEL = "small-qwen2"
@@ -76,7 +79,7 @@ def _run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats (best kept)")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -93,7 +96,8 @@ def main() -> None:
     runners = {"HF-module runner (before)": old,
                "ShardedDecoder tp=1 (now)": ServerRanks(path, 1, max_slots=batch, max_len=2048)}
     engines = {k: Engine(r, None, max_running=batch, context_length=2048) for k, r in runners.items()}
-    best = {k: float("inf") for k in engines}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    load_before = load_average()
     outs: dict[str, list[list[int]]] = {}
     try:
         for e in engines.values():
@@ -101,22 +105,28 @@ def main() -> None:
         for _ in range(args.repeats):
             for k, e in engines.items():
                 dt, outs[k] = _run(e, prompts, new_tokens)
-                best[k] = min(best[k], dt)
+                times[k].append(dt)
     finally:
         for e in engines.values():
             e.shutdown()
-    before, now = best
-    tok_s = {k: batch * new_tokens / t for k, t in best.items()}
+    load_after = load_average()
+    before, now = times
+    # tokens/s of each repeat: the median and quartiles of a rate are those of its times, inverted
+    tok_s = {k: spread([batch * new_tokens / t for t in v]) for k, v in times.items()}
+    ratio = tok_s[now].median / tok_s[before].median
     same = outs[before] == outs[now]
     print(f"\nmodel {MODEL}, batch {batch}, prompt {prompt_len}, {new_tokens} greedy tokens each, "
-          f"torch threads {args.threads}, best of {args.repeats} interleaved")
+          f"torch threads {args.threads}, {args.repeats} interleaved repeats, "
+          f"load average {load_before:.2f} -> {load_after:.2f}")
+    print("| runner | tok/s median (IQR) | best tok/s |")
+    print("|---|---:|---:|")
     for k, v in tok_s.items():
-        print(f"  {k:<28}{v:>9.0f} tok/s")
-    print(f"  ratio now / before: {tok_s[now] / tok_s[before]:.2f}x   same tokens: {same}")
+        print(f"| {k} | {v.cell(1, 0)} | {v.hi:,.0f} |")
+    print(f"ratio of medians now / before: {ratio:.2f}x   same tokens: {same}")
     out = {"benchmark": "bench_runner", "model": MODEL, "threads": args.threads, "batch": batch,
            "new_tokens": new_tokens, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-           "load_avg": os.getloadavg(), "torch": torch.__version__, "tok_s": tok_s,
-           "ratio": tok_s[now] / tok_s[before], "same_tokens": same}
+           "load_average": [load_before, load_after], "torch": torch.__version__,
+           "tok_s": {k: v.as_dict() for k, v in tok_s.items()}, "ratio": ratio, "same_tokens": same}
     dest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_runner.json")
     with open(dest, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=2)

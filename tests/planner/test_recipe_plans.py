@@ -14,10 +14,10 @@ import math
 import os
 
 import pytest
+import yaml
 
 from realscale.config import load_config
 from realscale.launcher.render import model_spec_for, plan_for, problem_for
-from realscale.launcher.sweep import load_sweep
 from realscale.models.family import arch_from_hf
 from realscale.models.megatron_gpt import transformer_config
 from realscale.planner import cost as C
@@ -29,8 +29,9 @@ from realscale.trainer import apply_plan
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "configs", "*.yaml"))
                      if load_config(p).launch.gpus_per_node > 0)
-SHIPPED = [(os.path.join(REPO, job.recipe), os.path.join(REPO, "launch", "slurm", "plans", f"{job.name}.yaml"))
-           for job in load_sweep(os.path.join(REPO, "configs", "sweeps", "areal_sizes.yaml"))]
+with open(os.path.join(REPO, "configs", "sweeps", "areal_sizes.yaml"), encoding="utf-8") as _fh:
+    SHIPPED = [(os.path.join(REPO, job["recipe"]), os.path.join(REPO, "launch", "slurm", "plans", f"{name}.yaml"))
+               for name, job in yaml.safe_load(_fh)["jobs"].items()]
 
 
 def _hf_config(spec) -> dict:  # noqa: ANN001 - ModelSpec

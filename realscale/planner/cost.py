@@ -137,6 +137,7 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     flops = 4.0 * fwd_flops_per_token(spec, seq) * w.train_tokens  # 1 prox fwd + fwd + 2x bwd
     compute = flops / (s.world * gpu.peak_tflops * 1e12 * eff.mfu_train) * (1 + eff.tp_overhead * (s.tp - 1))
     compute *= 1 + (s.pp - 1) / m
+    compute += eff.train_step_overhead_s * w.minibatches
     layers_stage = math.ceil(spec.n_layers / s.pp)
     act_bytes = tokens_replica * spec.hidden * spec.itemsize
     tp_comm = 6 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
@@ -234,7 +235,7 @@ def decode_step_seconds(spec: ModelSpec, tp: int, batch: float, ctx: float, gpu:
     if tp > 1:
         t_comm = 2 * spec.n_layers * (eff.collective_latency_s
                                       + _ring(batch * spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff))
-    return max(t_mem, t_flops) + t_comm + eff.decode_step_overhead_s
+    return max(t_mem, t_flops) + t_comm + eff.decode_step_overhead_s + batch * eff.decode_seq_overhead_s
 
 
 def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,

@@ -1,0 +1,470 @@
+"""Discrete-event simulation of a whole RL run: generation servers, controller, trainer.
+
+What is simulated, event by event (times in seconds):
+
+- **Generation servers** with continuous batching, as SGLang and the embedded server run:
+  each iteration admits waiting requests into free slots (prefill), then runs one batched
+  decode step for every running request; a request leaves when its answer is complete.
+  Decode step time comes from :class:`ServerModel` (the planner's cost model, or a CPU
+  profile fitted to measured steps) as a function of the batch size and the mean context.
+  A server with a KV-cache budget admits only what fits and retracts its newest request
+  when the running ones outgrow it (SGLang's behaviour).
+  Between events a server advances many steps at once: with the batch fixed, the step
+  count until the next answer finishes is known, and the steps' summed time is the step
+  time at the chunk's mean context times the count (exact for the cost model's step time,
+  which is linear in the context on either side of its max()).
+- **The rollout controller**: submits prompts (``n_samples`` requests each, to the least
+  loaded server) while :meth:`realscale.rollout.staleness.StalenessManager.capacity` allows
+  (the same object the real controller uses, not a copy of its rule), pauses submission
+  during weight updates, hands the trainer the ``batch`` accepted groups submitted first,
+  and waits while a *due* group (submitted at version <= V - η) is still generating,
+  exactly as :class:`realscale.rollout.controller.RolloutController` does. η = 0 is the
+  synchronous run.
+- **The trainer**: takes a batch, trains (:class:`TrainerModel`: the planner's cost model
+  for its layout), then updates the servers' weights: pause (interrupting generation),
+  move the weights (:attr:`TrainerModel.sync_seconds`), bump the version, resume. With
+  ``interrupt="recompute"`` an interrupted request's KV cache is recomputed under the new
+  weights when it resumes (AReaL's interruptible rollout: a prefill of prompt + partial
+  answer); ``"in_place"`` keeps it (SGLang's in-place pause, the embedded server's
+  ``pause_mode: in_place``).
+- **Colocated** runs (verl, ReaL): the same GPUs generate and train in turn; only η = 0 is
+  meaningful there, and the step adds the cost of switching (``switch_seconds``).
+
+Outputs (:class:`SimResult`): effective training throughput (trained answer tokens / wall
+time, the AReaL paper's metric and ``perf/trained_tokens_per_s`` of our runs), generated
+tokens/s, idle fractions per role (the fraction of the role's GPU-time with nothing to do:
+a server with no running request or paused; the trainer waiting for a batch), weight-sync
+seconds, and the timeline of every step.
+
+Departures from the real system: answers are independent draws (no prompt-level
+correlation beyond the group's acceptance); a server's pause takes effect at once rather
+than after its current step; rewards take no time.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from realscale.rollout.staleness import StalenessManager
+from realscale.sim.workload import Workload
+
+# event kinds
+_CHUNK, _TRAIN_DONE, _SYNC_DONE = 0, 1, 2
+
+
+class SimError(ValueError):
+    """An impossible simulation setup (a layout that cannot hold one request, ...)."""
+
+
+@dataclass
+class ServerModel:
+    """One generation server (a tp group): step times and capacity."""
+
+    decode_step: Callable[[int, float], float]  # (running requests, mean context tokens) -> s
+    prefill: Callable[[int], float]              # prompt (+ recomputed) tokens -> s
+    max_running: int = 1 << 30                   # slots (max_running_requests)
+    kv_tokens: float = math.inf                  # tokens the KV cache holds
+    gpus: int = 1                                # GPUs per server (its tp)
+
+
+@dataclass
+class TrainerModel:
+    """The training side: step time for a batch, and the weight update."""
+
+    train_seconds: Callable[[int, int, int], float]  # (sequences, prompt tokens, answer tokens) -> s
+    sync_seconds: float                              # pause + move weights + resume
+    gpus: int = 1
+
+
+@dataclass
+class SimConfig:
+    workload: Workload
+    eta: int                          # staleness bound (0: synchronous)
+    n_servers: int
+    max_concurrent: int = 1 << 30     # most prompts in flight (rollout.max_concurrent)
+    steps: int = 10                   # RL steps to simulate
+    warmup: int = 2                   # steps left out of the throughput (pipeline fill)
+    interrupt: str = "in_place"       # in_place | recompute
+    colocated: bool = False           # servers and trainer share GPUs (synchronous only)
+    switch_seconds: float = 0.0       # colocated: per-step cost of switching roles
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.eta < 0 or self.n_servers < 1 or self.steps < 1 or not 0 <= self.warmup < self.steps:
+            raise SimError(f"sim: need eta >= 0, n_servers >= 1, 0 <= warmup < steps; got {self.eta}, "
+                           f"{self.n_servers}, {self.warmup}, {self.steps}")
+        if self.interrupt not in ("in_place", "recompute"):
+            raise SimError(f"sim: interrupt {self.interrupt!r} is not in_place or recompute")
+        if self.colocated and self.eta:
+            raise SimError("sim: colocated runs alternate generation and training; eta must be 0")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    batch_ready: float      # the trainer got its batch
+    train_end: float
+    sync_end: float
+    wait_s: float           # since the previous step ended
+    trained_tokens: int
+    max_staleness: int
+
+
+@dataclass
+class SimResult:
+    tokens_per_s: float                 # effective training throughput over the measured steps
+    generated_tokens_per_s: float
+    step_seconds: float                 # mean over the measured steps
+    idle: dict[str, float]              # role -> idle fraction of its GPU-time
+    weight_sync_s: float                # per step
+    timeline: list[StepRecord]
+    window: tuple[float, float]
+    accepted_fraction: float
+    mean_trained_len: float
+    mean_generated_len: float
+    staleness_hist: dict[int, int]
+
+    def summary(self) -> dict:
+        return {"tokens_per_s": self.tokens_per_s, "generated_tokens_per_s": self.generated_tokens_per_s,
+                "step_seconds": self.step_seconds, "idle": self.idle, "weight_sync_s": self.weight_sync_s,
+                "accepted_fraction": self.accepted_fraction, "mean_trained_len": self.mean_trained_len,
+                "mean_generated_len": self.mean_generated_len,
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+
+
+class _Seq:
+    __slots__ = ("group", "length", "base", "admit_step", "server", "recompute")
+
+    def __init__(self, group: "_Group", length: int) -> None:
+        self.group = group
+        self.length = length
+        self.base = 0          # tokens generated before its current admission
+        self.admit_step = 0
+        self.server = -1
+        self.recompute = True  # its prompt (+ partial answer) must be prefilled on admission
+
+
+class _Group:
+    __slots__ = ("order", "version", "seqs", "left", "steps", "prompt")
+
+    def __init__(self, order: int, version: int, lengths: np.ndarray, steps: np.ndarray, prompt: int) -> None:
+        self.order = order
+        self.version = version
+        self.seqs = [_Seq(self, int(n)) for n in lengths]
+        self.left = len(self.seqs)
+        self.steps = steps
+        self.prompt = prompt
+
+
+class _Server:
+    __slots__ = ("idx", "running", "heap", "waiting", "step", "ctx_sum", "token", "active", "t_start", "t0",
+                 "st", "k", "boundary", "paused", "busy", "decoded")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.running: dict[int, _Seq] = {}
+        self.heap: list[tuple[int, int]] = []   # (finish step, id(seq))
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.step = 0           # decode steps run so far
+        self.ctx_sum = 0        # total context of running requests
+        self.token = 0          # invalidates superseded chunk events
+        self.active = False
+        self.t_start = 0.0      # chunk start (prefill start)
+        self.t0 = 0.0           # first decode step of the chunk
+        self.st = 0.0           # step time in this chunk
+        self.k = 0              # steps this chunk runs
+        self.boundary = False   # the chunk was cut short at a step boundary
+        self.paused = False
+        self.busy = 0.0
+        self.decoded = 0
+
+
+class Simulation:
+    """One run; :meth:`run` returns its :class:`SimResult`."""
+
+    def __init__(self, cfg: SimConfig, server: ServerModel, trainer: TrainerModel) -> None:
+        self.cfg, self.sm, self.tm = cfg, server, trainer
+        w = cfg.workload
+        self.rng = np.random.default_rng(cfg.seed)
+        self.mgr = StalenessManager(w.batch, cfg.eta, cfg.max_concurrent)
+        self.servers = [_Server(i) for i in range(cfg.n_servers)]
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.seq_no = 0
+        self.version = 0
+        self.order = 0
+        self.buffer: list[tuple[int, int, _Group]] = []  # heap by (submit version, order)
+        self.running_versions: collections.Counter[int] = collections.Counter()
+        self.submitting = True
+        self.trainer_busy = False
+        self.train_busy = 0.0
+        self.sync_busy = 0.0
+        self.last_step_end = 0.0
+        self.timeline: list[StepRecord] = []
+        self.submitted = self.accepted = 0
+        self.gen_tokens_done = 0
+        self.finished = self.finished_len = 0
+        self.loads = np.zeros(cfg.n_servers, np.int64)  # requests per server (the client's least-load routing)
+        if server.kv_tokens < w.prompt_len + w.max_new_tokens:
+            raise SimError(f"sim: one request ({w.prompt_len} + {w.max_new_tokens} tokens) does not fit a server's "
+                           f"KV cache of {server.kv_tokens:.0f} tokens")
+        self.trained_lens: list[int] = []
+        self.stale: collections.Counter[int] = collections.Counter()
+        self.snap: dict[str, float] = {}
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        self.seq_no += 1
+        heapq.heappush(self.events, (t, self.seq_no, kind, a, b))
+
+    def run(self) -> SimResult:
+        self._refill()
+        while self.events and len(self.timeline) < self.cfg.steps:
+            t, _, kind, a, b = heapq.heappop(self.events)
+            self.now = t
+            if kind == _CHUNK:
+                srv = self.servers[a]
+                if b == srv.token:
+                    self._chunk_done(srv)
+            elif kind == _TRAIN_DONE:
+                self._train_done()
+            else:
+                self._sync_done()
+        if len(self.timeline) < self.cfg.steps:
+            raise SimError("sim: the run stalled (no events left before the last step)")
+        return self._result()
+
+    # ------------------------------------------------------------------ servers
+
+    def _admit(self, srv: _Server) -> int:
+        """Move waiting requests into slots that fit; return tokens to prefill."""
+        tokens = 0
+        while srv.waiting and len(srv.running) < self.sm.max_running:
+            seq = srv.waiting[0]
+            ctx = seq.group.prompt + seq.base
+            if srv.ctx_sum + ctx + 1 > self.sm.kv_tokens and srv.running:
+                break
+            srv.waiting.popleft()
+            seq.admit_step = srv.step
+            seq.server = srv.idx
+            srv.running[id(seq)] = seq
+            heapq.heappush(srv.heap, (srv.step + seq.length - seq.base, id(seq)))
+            srv.ctx_sum += ctx
+            if seq.recompute:
+                tokens += ctx
+                seq.recompute = False
+        return tokens
+
+    def _retract_newest(self, srv: _Server) -> None:
+        """The KV cache is full: the newest request goes back to the queue (keeping its output)."""
+        seq = max(srv.running.values(), key=lambda s: s.admit_step)
+        self._unrun(srv, seq)
+        seq.recompute = True
+        srv.waiting.appendleft(seq)
+
+    def _unrun(self, srv: _Server, seq: _Seq) -> None:
+        del srv.running[id(seq)]
+        srv.heap = [(f, i) for f, i in srv.heap if i != id(seq)]
+        heapq.heapify(srv.heap)
+        done = seq.base + srv.step - seq.admit_step
+        srv.ctx_sum -= seq.group.prompt + done
+        seq.base = done
+
+    def _plan(self, srv: _Server, extra_prefill: int = 0) -> None:
+        """Start the server's next chunk of decode steps at ``self.now``."""
+        srv.active = False
+        if srv.paused:
+            return
+        prefill_tokens = self._admit(srv) + extra_prefill
+        while srv.running:
+            b = len(srv.running)
+            k = srv.heap[0][0] - srv.step
+            if math.isfinite(self.sm.kv_tokens):
+                room = int((self.sm.kv_tokens - srv.ctx_sum) // b)
+                if room < 1 and b > 1:
+                    self._retract_newest(srv)
+                    continue
+                k = max(1, min(k, room))
+            srv.k = max(1, k)
+            srv.st = self.sm.decode_step(b, srv.ctx_sum / b + srv.k / 2)
+            srv.t_start = self.now
+            srv.t0 = self.now + (self.sm.prefill(prefill_tokens) if prefill_tokens else 0.0)
+            srv.token += 1
+            srv.active, srv.boundary = True, False
+            self._push(srv.t0 + srv.k * srv.st, _CHUNK, srv.idx, srv.token)
+            return
+
+    def _cut(self, srv: _Server) -> None:
+        """Something changed (new requests, a pause): end the chunk at the next step boundary."""
+        if not srv.active or srv.boundary:
+            return
+        if self.now <= srv.t0:
+            j = 0
+            t = srv.t0
+        else:
+            j = min(srv.k, math.ceil((self.now - srv.t0) / srv.st - 1e-12))
+            t = srv.t0 + j * srv.st
+        if j >= srv.k:
+            return
+        srv.k, srv.boundary = j, True
+        srv.token += 1
+        self._push(t, _CHUNK, srv.idx, srv.token)
+
+    def _chunk_done(self, srv: _Server) -> None:
+        b = len(srv.running)
+        srv.busy += self.now - srv.t_start
+        srv.step += srv.k
+        srv.ctx_sum += b * srv.k
+        srv.decoded += b * srv.k
+        self.gen_tokens_done += b * srv.k
+        finished = []
+        while srv.heap and srv.heap[0][0] <= srv.step:
+            _, sid = heapq.heappop(srv.heap)
+            seq = srv.running.pop(sid)
+            srv.ctx_sum -= seq.group.prompt + seq.length
+            finished.append(seq)
+        self.loads[srv.idx] -= len(finished)
+        self.finished += len(finished)
+        self.finished_len += sum(seq.length for seq in finished)
+        srv.active = False
+        for seq in finished:
+            self._seq_done(seq)
+        if not srv.active:  # _seq_done may already have re-planned it (new requests)
+            self._plan(srv)
+
+    # ------------------------------------------------------------------ controller
+
+    def _refill(self) -> None:
+        if not self.submitting:
+            return
+        w = self.cfg.workload
+        touched = set()
+        for _ in range(self.mgr.capacity(self.version)):
+            lengths, steps = w.draw_group(self.rng)
+            g = _Group(self.order, self.version, lengths, steps, w.prompt_len)
+            self.order += 1
+            self.mgr.on_submit()
+            self.submitted += 1
+            self.running_versions[self.version] += 1
+            for seq in g.seqs:
+                i = int(np.argmin(self.loads))
+                self.loads[i] += 1
+                self.servers[i].waiting.append(seq)
+                touched.add(i)
+        for i in touched:
+            srv = self.servers[i]
+            if srv.active:
+                self._cut(srv)
+            elif not srv.paused:
+                self._plan(srv)
+
+    def _seq_done(self, seq: _Seq) -> None:
+        g = seq.group
+        g.left -= 1
+        if g.left:
+            return
+        self.running_versions[g.version] -= 1
+        if self.cfg.workload.accept.accept(self.rng, g.steps):
+            self.mgr.on_accept()
+            self.accepted += 1
+            heapq.heappush(self.buffer, (g.version, g.order, g))
+        else:
+            self.mgr.on_reject()
+        self._try_train()
+        self._refill()
+
+    def _due_running(self) -> bool:
+        oldest_ok = self.version - self.cfg.eta
+        return any(n > 0 for v, n in self.running_versions.items() if v <= oldest_ok)
+
+    # ------------------------------------------------------------------ trainer
+
+    def _try_train(self) -> None:
+        B = self.cfg.workload.batch
+        if self.trainer_busy or len(self.buffer) < B or self._due_running():
+            return
+        groups = [heapq.heappop(self.buffer)[2] for _ in range(B)]
+        answer_tokens = sum(s.length for g in groups for s in g.seqs)
+        n = sum(len(g.seqs) for g in groups)
+        for g in groups:
+            self.stale[self.version - g.version] += 1
+            self.trained_lens.extend(s.length for s in g.seqs)
+        t_train = self.tm.train_seconds(n, n * self.cfg.workload.prompt_len, answer_tokens)
+        if self.cfg.colocated:
+            t_train += self.cfg.switch_seconds
+        self.trainer_busy = True
+        self._batch = (self.now, answer_tokens, max(self.version - g.version for g in groups))
+        self.train_busy += t_train
+        self._push(self.now + t_train, _TRAIN_DONE)
+
+    def _train_done(self) -> None:
+        self.submitting = False
+        self._train_end = self.now
+        for srv in self.servers:
+            srv.paused = True
+            self._cut(srv)
+        self.sync_busy += self.tm.sync_seconds
+        self._push(self.now + self.tm.sync_seconds, _SYNC_DONE)
+
+    def _sync_done(self) -> None:
+        ready, tokens, lag = self._batch
+        self.timeline.append(StepRecord(len(self.timeline) + 1, ready, self._train_end, self.now,
+                                        ready - self.last_step_end, tokens, lag))
+        self.last_step_end = self.now
+        if len(self.timeline) == self.cfg.warmup:
+            self._snapshot()
+        self.version += 1
+        self.trainer_busy = False
+        self.submitting = True
+        for srv in self.servers:
+            srv.paused = False
+            extra = 0
+            if self.cfg.interrupt == "recompute" and srv.running:
+                # the KV cache was built by the old weights: recompute prompt + partial answers
+                extra = srv.ctx_sum
+            if not srv.active:
+                self._plan(srv, extra)
+        self._try_train()
+        self._refill()
+
+    # ------------------------------------------------------------------ results
+
+    def _snapshot(self) -> None:
+        self.snap = {"t": self.now, "gen_busy": sum(s.busy for s in self.servers),
+                     "gen_tokens": float(self.gen_tokens_done), "train_busy": self.train_busy,
+                     "sync_busy": self.sync_busy}
+
+    def _result(self) -> SimResult:
+        snap = self.snap or {"t": 0.0, "gen_busy": 0.0, "gen_tokens": 0.0, "train_busy": 0.0, "sync_busy": 0.0}
+        t0, t1 = snap["t"], self.timeline[-1].sync_end
+        wall = max(t1 - t0, 1e-12)
+        measured = self.timeline[self.cfg.warmup:]
+        tokens = sum(r.trained_tokens for r in measured)
+        gen_busy = (sum(s.busy for s in self.servers) - snap["gen_busy"]) / (len(self.servers) * wall)
+        train_busy = (self.train_busy - snap["train_busy"]) / wall
+        sync_busy = (self.sync_busy - snap["sync_busy"]) / wall
+        if self.cfg.colocated:  # the same GPUs: idle when neither generating, training nor syncing
+            idle = {"all": max(0.0, 1.0 - gen_busy - train_busy - sync_busy)}
+        else:
+            idle = {"generate": max(0.0, 1.0 - gen_busy), "train": max(0.0, 1.0 - train_busy - sync_busy)}
+        return SimResult(
+            tokens_per_s=tokens / wall,
+            generated_tokens_per_s=(self.gen_tokens_done - snap["gen_tokens"]) / wall,
+            step_seconds=wall / len(measured), idle=idle, weight_sync_s=self.tm.sync_seconds,
+            timeline=self.timeline, window=(t0, t1),
+            accepted_fraction=self.accepted / max(1, self.submitted),
+            mean_trained_len=float(np.mean(self.trained_lens)) if self.trained_lens else 0.0,
+            mean_generated_len=self.finished_len / max(1, self.finished),
+            staleness_hist=dict(self.stale))
+
+
+def simulate(cfg: SimConfig, server: ServerModel, trainer: TrainerModel) -> SimResult:
+    """Run the simulation of ``cfg`` with these server and trainer models."""
+    return Simulation(cfg, server, trainer).run()

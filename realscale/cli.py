@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("realscale.commands.sft", "warm-start a tiny Qwen2 on the default task (masked NLL on the Megatron engine)"),
     "eval": ("realscale.commands.eval", "held-out accuracy of a model directory on the task (embedded generation engine)"),
     "sweep": ("realscale.commands.sweep", "render one plan and one sbatch job per model size (or config axis); --dry-run prints them"),
+    "profile": ("realscale.commands.profile", "measure this machine's hardware profile (decode, train step, weight sync) for the cost model"),
+    "simulate": ("realscale.commands.simulate", "simulate whole RL runs (async vs sync) from a recipe or plan: tokens/s, idle, timeline"),
     "rank": ("realscale.commands.rank", "one trainer rank or generation server of a launched run (under srun, torchrun or mpirun)"),
 }
 

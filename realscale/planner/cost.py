@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from realscale.parallel.mesh import LayoutError, Strategy
 from realscale.parallel.model_spec import ModelSpec
@@ -228,14 +229,32 @@ def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
 
 def decode_step_seconds(spec: ModelSpec, tp: int, batch: float, ctx: float, gpu: GPU, eff: Efficiency) -> float:
     """One decode step of ``batch`` sequences with mean context ``ctx`` on a tp group."""
-    read = spec.n_params * spec.itemsize / tp + batch * ctx * kv_bytes_per_token(spec, tp)
-    t_mem = read / (gpu.hbm_tbps * 1e12 * eff.hbm_decode)
-    t_flops = batch * fwd_flops_per_token(spec, ctx) / tp / (gpu.peak_tflops * 1e12 * eff.mfu_decode)
-    t_comm = 0.0
-    if tp > 1:
-        t_comm = 2 * spec.n_layers * (eff.collective_latency_s
-                                      + _ring(batch * spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff))
-    return max(t_mem, t_flops) + t_comm + eff.decode_step_overhead_s + batch * eff.decode_seq_overhead_s
+    return decode_step_fn(spec, tp, gpu, eff)(batch, ctx)
+
+
+def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Callable[[float, float], float]:
+    """:func:`decode_step_seconds` as a function of (batch, mean context) with everything
+    else folded into constants (the simulator calls it once per batch change).
+
+    The step is the slower of reading the weights and the batch's KV cache from HBM and
+    the batch's matmul + attention FLOPs, plus two all-reduces per layer under tp, a fixed
+    per-step overhead and a per-request one."""
+    w_bytes = spec.n_params * spec.itemsize / tp
+    kv_tok = kv_bytes_per_token(spec, tp)
+    hbm = gpu.hbm_tbps * 1e12 * eff.hbm_decode
+    flops_rate = tp * gpu.peak_tflops * 1e12 * eff.mfu_decode
+    f_params, f_ctx = 2.0 * _matmul_params(spec), 2.0 * spec.n_layers * _q_dim(spec)
+    comm_fixed = 2 * spec.n_layers * eff.collective_latency_s if tp > 1 else 0.0
+    comm_per_seq = 2 * spec.n_layers * _ring(spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff) if tp > 1 else 0.0
+    fixed = comm_fixed + eff.decode_step_overhead_s
+    per_seq = comm_per_seq + eff.decode_seq_overhead_s
+
+    def step(batch: float, ctx: float) -> float:
+        t_mem = (w_bytes + batch * ctx * kv_tok) / hbm
+        t_flops = batch * (f_params + f_ctx * ctx) / flops_rate
+        return (t_mem if t_mem > t_flops else t_flops) + fixed + batch * per_seq
+
+    return step
 
 
 def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,

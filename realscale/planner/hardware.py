@@ -66,6 +66,7 @@ class Efficiency:
     recompute_cost: float = 1.33  # training time multiplier with activation recompute
     decode_seq_overhead_s: float = 0.0      # per running request per decode step (sampling, bookkeeping)
     train_step_overhead_s: float = 0.0      # per optimizer step (optimizer update, schedule set-up)
+    request_overhead_s: float = 0.0         # server time per request admitted (HTTP, scheduling)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ EFFICIENCY_SOURCES: dict[str, Source] = {
     "recompute_cost": Source("assumed", "full recomputation adds one forward: (1 + 2 + 1) / (1 + 2) of fwd+bwd"),
     "decode_seq_overhead_s": Source("assumed", "0 on GPUs: SGLang samples the whole batch in one kernel"),
     "train_step_overhead_s": Source("assumed", "0 on GPUs: the optimizer step is folded into mfu_train"),
+    "request_overhead_s": Source("assumed", "0 on GPUs: SGLang's tokenizer and HTTP run outside the scheduler"),
 }
 
 

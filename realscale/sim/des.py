@@ -67,9 +67,10 @@ class ServerModel:
     """One generation server (a tp group): step times and capacity."""
 
     decode_step: Callable[[int, float], float]  # (running requests, mean context tokens) -> s
-    prefill: Callable[[int], float]              # prompt (+ recomputed) tokens -> s
+    prefill: Callable[[int, int], float]         # (prompt + recomputed tokens, admitted requests) -> s
     max_running: int = 1 << 30                   # slots (max_running_requests)
     kv_tokens: float = math.inf                  # tokens the KV cache holds
+    reserve_ratio: float = 0.1                   # share of remaining budgets held back on admission
     gpus: int = 1                                # GPUs per server (its tp)
 
 
@@ -139,9 +140,12 @@ class SimResult:
 
 
 class _Seq:
-    __slots__ = ("group", "length", "base", "admit_step", "server", "recompute")
+    __slots__ = ("uid", "group", "length", "base", "admit_step", "server", "recompute")
+    _next = 0
 
     def __init__(self, group: "_Group", length: int) -> None:
+        _Seq._next += 1
+        self.uid = _Seq._next  # heap entries name requests by it (id() may be reused)
         self.group = group
         self.length = length
         self.base = 0          # tokens generated before its current admission
@@ -169,7 +173,7 @@ class _Server:
     def __init__(self, idx: int) -> None:
         self.idx = idx
         self.running: dict[int, _Seq] = {}
-        self.heap: list[tuple[int, int]] = []   # (finish step, id(seq))
+        self.heap: list[tuple[int, int]] = []   # (finish step, seq.uid)
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.step = 0           # decode steps run so far
         self.ctx_sum = 0        # total context of running requests
@@ -243,19 +247,28 @@ class Simulation:
 
     # ------------------------------------------------------------------ servers
 
+    def _reserved(self, srv: _Server, extra_ctx: int = 0, extra_seqs: int = 0) -> float:
+        """KV tokens the running requests (plus ``extra``) hold now and are expected to
+        need: SGLang admits a request only if current tokens plus ``reserve_ratio`` of every
+        request's remaining budget fit (its ``new_token_ratio``)."""
+        r = self.sm.reserve_ratio
+        b = len(srv.running) + extra_seqs
+        full = self.cfg.workload.prompt_len + self.cfg.workload.max_new_tokens
+        return (1 - r) * (srv.ctx_sum + extra_ctx) + r * b * full
+
     def _admit(self, srv: _Server) -> int:
         """Move waiting requests into slots that fit; return tokens to prefill."""
         tokens = 0
         while srv.waiting and len(srv.running) < self.sm.max_running:
             seq = srv.waiting[0]
             ctx = seq.group.prompt + seq.base
-            if srv.ctx_sum + ctx + 1 > self.sm.kv_tokens and srv.running:
+            if srv.running and self._reserved(srv, ctx, 1) > self.sm.kv_tokens:
                 break
             srv.waiting.popleft()
             seq.admit_step = srv.step
             seq.server = srv.idx
-            srv.running[id(seq)] = seq
-            heapq.heappush(srv.heap, (srv.step + seq.length - seq.base, id(seq)))
+            srv.running[seq.uid] = seq
+            heapq.heappush(srv.heap, (srv.step + seq.length - seq.base, seq.uid))
             srv.ctx_sum += ctx
             if seq.recompute:
                 tokens += ctx
@@ -264,15 +277,13 @@ class Simulation:
 
     def _retract_newest(self, srv: _Server) -> None:
         """The KV cache is full: the newest request goes back to the queue (keeping its output)."""
-        seq = max(srv.running.values(), key=lambda s: s.admit_step)
+        seq = srv.running[next(reversed(srv.running))]  # dicts keep admission order
         self._unrun(srv, seq)
         seq.recompute = True
         srv.waiting.appendleft(seq)
 
     def _unrun(self, srv: _Server, seq: _Seq) -> None:
-        del srv.running[id(seq)]
-        srv.heap = [(f, i) for f, i in srv.heap if i != id(seq)]
-        heapq.heapify(srv.heap)
+        del srv.running[seq.uid]  # its heap entry is dropped lazily (_top)
         done = seq.base + srv.step - seq.admit_step
         srv.ctx_sum -= seq.group.prompt + done
         seq.base = done
@@ -282,10 +293,12 @@ class Simulation:
         srv.active = False
         if srv.paused:
             return
+        before = len(srv.running)
         prefill_tokens = self._admit(srv) + extra_prefill
+        admitted = len(srv.running) - before
         while srv.running:
             b = len(srv.running)
-            k = srv.heap[0][0] - srv.step
+            k = self._top(srv) - srv.step
             if math.isfinite(self.sm.kv_tokens):
                 room = int((self.sm.kv_tokens - srv.ctx_sum) // b)
                 if room < 1 and b > 1:
@@ -295,11 +308,20 @@ class Simulation:
             srv.k = max(1, k)
             srv.st = self.sm.decode_step(b, srv.ctx_sum / b + srv.k / 2)
             srv.t_start = self.now
-            srv.t0 = self.now + (self.sm.prefill(prefill_tokens) if prefill_tokens else 0.0)
+            srv.t0 = self.now + (self.sm.prefill(prefill_tokens, admitted) if prefill_tokens or admitted else 0.0)
             srv.token += 1
             srv.active, srv.boundary = True, False
             self._push(srv.t0 + srv.k * srv.st, _CHUNK, srv.idx, srv.token)
             return
+
+    def _top(self, srv: _Server) -> int:
+        """The step at which the first running request finishes (stale heap entries dropped)."""
+        while True:
+            f, sid = srv.heap[0]
+            seq = srv.running.get(sid)
+            if seq is not None and seq.admit_step + seq.length - seq.base == f:
+                return f
+            heapq.heappop(srv.heap)
 
     def _cut(self, srv: _Server) -> None:
         """Something changed (new requests, a pause): end the chunk at the next step boundary."""
@@ -325,7 +347,7 @@ class Simulation:
         srv.decoded += b * srv.k
         self.gen_tokens_done += b * srv.k
         finished = []
-        while srv.heap and srv.heap[0][0] <= srv.step:
+        while srv.running and self._top(srv) <= srv.step:
             _, sid = heapq.heappop(srv.heap)
             seq = srv.running.pop(sid)
             srv.ctx_sum -= seq.group.prompt + seq.length

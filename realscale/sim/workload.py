@@ -6,8 +6,8 @@ Answer lengths are drawn per answer from a :class:`LengthDist`:
   above the generation cap are truncated to it (the answer is cut at ``max_new_tokens``,
   as a server does), so one distribution serves every context length;
 - :class:`Histogram`: measured lengths and their weights;
-- :class:`PowerLawMix`: the long-tail task's own law (``benchmarks/bench_async.py``):
-  ``tokens_per_step * n`` tokens with ``P(n) ∝ n^-alpha``, mixed with short bare answers.
+- :class:`TaskMix`: a procedural task's own answers (``realscale/tasks``), worked out or
+  bare, one problem per group (the long-tail task of ``benchmarks/bench_async.py``).
 
 A group (``n_samples`` answers to one prompt) is kept or dropped by an
 :class:`AcceptModel`: :class:`AcceptAll` (no filter), or :class:`Reliability`, a model of
@@ -80,46 +80,36 @@ class Histogram:
 
 
 @dataclass(frozen=True)
-class PowerLawMix:
-    """The long-tail task: worked answers of ``tokens_per_step * n`` tokens with ``n`` on
-    ``lo..hi``, ``P(n) ∝ n^-alpha``, in a fraction ``worked`` of answers; the rest are bare
-    answers of ``bare_tokens`` tokens. ``steps`` returns each answer's ``n`` (0: bare) so an
-    :class:`AcceptModel` can score it."""
+class TaskMix:
+    """A procedural task's answers: a group is one problem (drawn uniformly from the task's
+    training split, so with the task's own length law); each of its answers is worked out
+    (``worked_lens[i]`` tokens) with probability ``worked``, else answered bare
+    (``bare_lens[i]`` tokens). The answers of a group share their problem, as in a real run.
+    What an :class:`AcceptModel` scores is each answer's worked length (0: bare)."""
 
-    lo: int
-    hi: int
-    alpha: float
-    tokens_per_step: int
+    bare_lens: tuple[int, ...]
+    worked_lens: tuple[int, ...]
     worked: float
-    bare_tokens: int = 2
 
     def __post_init__(self) -> None:
-        if not (1 <= self.lo <= self.hi and 0 <= self.worked <= 1 and self.tokens_per_step >= 1):
-            raise WorkloadError(f"power-law mix: need 1 <= lo <= hi and 0 <= worked <= 1, got {self}")
+        if not self.bare_lens or len(self.bare_lens) != len(self.worked_lens) or not 0 <= self.worked <= 1:
+            raise WorkloadError("task mix: need one bare and one worked length per problem and 0 <= worked <= 1")
 
-    def _law(self) -> tuple[np.ndarray, np.ndarray]:
-        n = np.arange(self.lo, self.hi + 1)
-        p = n.astype(np.float64) ** -self.alpha
-        return n, p / p.sum()
-
-    def steps(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        n, p = self._law()
-        worked = rng.random(count) < self.worked
-        return np.where(worked, rng.choice(n, size=count, p=p), 0)
-
-    def lengths_of(self, steps: np.ndarray, cap: int) -> np.ndarray:
-        return np.minimum(np.where(steps > 0, steps * self.tokens_per_step, self.bare_tokens), cap)
+    def draw_group(self, rng: np.random.Generator, n_samples: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        i = int(rng.integers(len(self.bare_lens)))
+        worked = rng.random(n_samples) < self.worked
+        lengths = np.minimum(np.where(worked, self.worked_lens[i], self.bare_lens[i]), cap).astype(np.int64)
+        return lengths, np.where(worked, self.worked_lens[i], 0)
 
     def sample(self, rng: np.random.Generator, n: int, cap: int) -> np.ndarray:
-        return self.lengths_of(self.steps(rng, n), cap)
+        return np.concatenate([self.draw_group(rng, 1, cap)[0] for _ in range(n)])
 
-    def worked_mean(self) -> float:
-        n, p = self._law()
-        return float((n * p).sum() * self.tokens_per_step)
+    def mean(self) -> float:
+        return float(self.worked * np.mean(self.worked_lens) + (1 - self.worked) * np.mean(self.bare_lens))
 
     def describe(self) -> str:
-        return (f"power law n^-{self.alpha:g} on {self.lo}..{self.hi} x {self.tokens_per_step} tokens, "
-                f"{self.worked:.0%} worked, the rest {self.bare_tokens} tokens")
+        return (f"task mix of {len(self.bare_lens)} problems: {self.worked:.0%} worked (mean "
+                f"{np.mean(self.worked_lens):.0f} tokens), the rest bare (mean {np.mean(self.bare_lens):.1f})")
 
 
 class AcceptModel(Protocol):
@@ -150,9 +140,10 @@ class AcceptFraction:
 
 @dataclass(frozen=True)
 class Reliability:
-    """DAPO's all-equal filter on a length-dependent reward: an answer of ``n`` worked steps is
-    right with probability ``rho ** n``, a bare one (``n = 0``) with ``p_bare``; the group is
-    kept unless all its answers are right or all wrong."""
+    """DAPO's all-equal filter on a length-dependent reward: a worked answer of ``n`` tokens
+    is right with probability ``rho ** n`` (every token must be right), a bare one
+    (``n = 0``) with ``p_bare``; the group is kept unless all its answers are right or all
+    wrong."""
 
     rho: float
     p_bare: float = 0.1
@@ -188,8 +179,7 @@ class Workload:
 
     def draw_group(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, steps) of one group's answers; ``steps`` is what the accept model scores."""
-        if isinstance(self.lengths, PowerLawMix):
-            steps = self.lengths.steps(rng, self.n_samples)
-            return self.lengths.lengths_of(steps, self.max_new_tokens), steps
+        if isinstance(self.lengths, TaskMix):
+            return self.lengths.draw_group(rng, self.n_samples, self.max_new_tokens)
         lengths = self.lengths.sample(rng, self.n_samples, self.max_new_tokens)
         return lengths, lengths

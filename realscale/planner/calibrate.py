@@ -1,0 +1,323 @@
+"""Measure a hardware profile on this machine and fit the cost model's constants to it.
+
+``realscale profile`` runs :func:`measure_cpu_profile`: short micro-measurements of the
+real components, each with the thread count a run gives them (one torch thread for the
+embedded server and one for a single trainer rank on a 2-core machine):
+
+- **device**: one-thread fp32 matmul GFLOP/s (``gpu.peak_tflops``) and memory-copy
+  bandwidth (``gpu.hbm_tbps``, and the "links" of one machine);
+- **decode**: a real embedded generation server (``realscale serve``) answering ``b``
+  concurrent requests of prompt length ``P`` through the real client, each forced to
+  ``N1`` and then ``N2`` new tokens (``ignore_eos``); the step time at batch ``b`` and mean
+  context ``P + (N1 + N2) / 2`` is ``(T(N2) - T(N1)) / (N2 - N1)`` (request overheads and
+  prefill cancel);
+- **train**: the Megatron engine of the recipe's model (``realscale.trainer.update_policy``:
+  proximal log-probs + PPO mini-batch updates, the recipe's micro-batch budget) on packed
+  batches of ``T`` tokens in ``mb`` mini-batches;
+- **weight sync**: the trainer's real update path (pause in place, stream the exported
+  weights over the gloo weight group, resume) into that server.
+
+Then the cost model's constants are fitted to them (:func:`fit_profile`, least squares on
+log times): ``eff.decode_step_overhead_s``, ``eff.decode_seq_overhead_s`` and
+``eff.mfu_decode`` to the decode steps through
+:func:`realscale.planner.cost.decode_step_seconds`; ``eff.mfu_train`` and
+``eff.train_step_overhead_s`` to the train steps through
+:func:`realscale.planner.cost.train_cost`; ``eff.mfu_prefill`` to the first-token times;
+``eff.weight_update_overhead_s`` to the sync. The raw measurements are kept in the profile
+so a reader can refit or check them. The fit never sees a whole RL run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from realscale.planner.hardware import GPU, Efficiency, HardwareProfile, Source
+
+DECODE_BATCHES = (1, 4, 16, 32, 64)
+DECODE_PROMPTS = (16, 224, 416)
+DECODE_NEW = (8, 48)
+TRAIN_POINTS = ((1024, 96, 1), (2048, 96, 1), (4096, 96, 1), (2048, 32, 4), (4096, 32, 4), (8192, 32, 4))
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.5, iters: int = 400,
+                tol: float = 1e-9) -> tuple[np.ndarray, float]:
+    """Minimise ``f`` from ``x0`` (the downhill simplex; no scipy dependency)."""
+    n = len(x0)
+    pts = [np.asarray(x0, np.float64)] + [np.asarray(x0, np.float64) + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) <= tol * (1 + abs(vals[0])):
+            break
+        centroid = np.mean(pts[:-1], axis=0)
+        refl = centroid + (centroid - pts[-1])
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = centroid + 2 * (centroid - pts[-1])
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = centroid + 0.5 * (pts[-1] - centroid)
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    best = int(np.argmin(vals))
+    return pts[best], float(vals[best])
+
+
+def _log_sq(pred: list[float], meas: list[float]) -> float:
+    return float(sum((math.log(p) - math.log(m)) ** 2 for p, m in zip(pred, meas)))
+
+
+def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dict[str, float]],
+                train: list[dict[str, float]], sync: dict[str, float], train_settings: dict[str, int],
+                meta: dict[str, Any] | None = None) -> HardwareProfile:
+    """A :class:`HardwareProfile` whose cost-model predictions fit these measurements."""
+    from realscale.parallel.mesh import Strategy
+    from realscale.planner import cost as C
+
+    gpu = GPU(name, peak_tflops=device["matmul_gflops"] / 1e3, hbm_gb=device["memory_gb"],
+              hbm_tbps=device["copy_gbps"] / 1e3, nvlink_gbps=device["copy_gbps"], ib_gbps=device["copy_gbps"],
+              pcie_gbps=device["copy_gbps"])
+    base = Efficiency(hbm_decode=1.0, link=1.0, tp_overhead=0.0, collective_latency_s=0.0)
+
+    def decode_eff(x: np.ndarray) -> Efficiency:
+        return Efficiency(**{**base.__dict__, "decode_step_overhead_s": math.exp(x[0]),
+                             "decode_seq_overhead_s": math.exp(x[1]), "mfu_decode": min(1.0, math.exp(x[2]))})
+
+    def decode_err(x: np.ndarray) -> float:
+        eff = decode_eff(x)
+        return _log_sq([C.decode_step_seconds(spec, 1, d["batch"], d["ctx"], gpu, eff) for d in decode],
+                       [d["step_s"] for d in decode])
+
+    xd, _ = nelder_mead(decode_err, np.log([1e-3, 1e-5, 0.1]), step=1.0, iters=800)
+    eff = decode_eff(xd)
+
+    def train_eff(x: np.ndarray) -> Efficiency:
+        return Efficiency(**{**eff.__dict__, "mfu_train": min(1.0, math.exp(x[0])),
+                             "train_step_overhead_s": math.exp(x[1])})
+
+    def train_pred(e: Efficiency, t: dict[str, float]) -> float:
+        n = int(t["tokens"] // t["seq_len"])
+        w = C.Workload(batch=n, n_samples=1, prompt_len=max(1, int(t["prompt_len"])),
+                       gen_len=int(t["seq_len"] - t["prompt_len"]), mean_gen_len=int(t["seq_len"] - t["prompt_len"]),
+                       train_mb_tokens=train_settings["train_mb_tokens"], minibatches=int(t["minibatches"]),
+                       logprob_chunk_tokens=train_settings["logprob_chunk_tokens"])
+        return C.train_cost(spec, Strategy(1, 1, 1), w, gpu, e, 1).seconds
+
+    xt, _ = nelder_mead(lambda x: _log_sq([train_pred(train_eff(x), t) for t in train], [t["seconds"] for t in train]),
+                        np.log([0.1, 0.05]), step=1.0, iters=600)
+    eff = train_eff(xt)
+    # first-token time = requests x overhead + prompt tokens x prefill cost (linear least squares)
+    a = np.array([[d["batch"], d["prefill_tokens"]] for d in decode], np.float64)
+    (per_request, per_token), *_ = np.linalg.lstsq(a, np.array([d["prefill_s"] for d in decode]), rcond=None)
+    per_token = max(float(per_token), 1e-9)
+    mfu = C.fwd_flops_per_token(spec, DECODE_PROMPTS[1]) / (gpu.peak_tflops * 1e12 * per_token)
+    eff = Efficiency(**{**eff.__dict__, "mfu_prefill": min(1.0, mfu), "request_overhead_s": max(0.0, float(per_request))})
+    transfer = spec.n_params * spec.itemsize / (gpu.nvlink_gbps * 1e9 * eff.link)
+    eff = Efficiency(**{**eff.__dict__, "weight_update_overhead_s": max(0.0, sync["seconds"] - transfer)})
+    m = "measured on this machine by `realscale profile`"
+    f = "fitted (least squares on log times) to the decode steps measured by `realscale profile`"
+    sources = {"gpu.peak_tflops": Source("measured", f"one-thread fp32 matmul ({m})"),
+               "gpu.hbm_gb": Source("measured", "total RAM"),
+               "gpu.hbm_tbps": Source("measured", f"one-thread memory copy ({m})"),
+               "gpu.nvlink_gbps": Source("measured", "memory copy: one machine has no link"),
+               "gpu.ib_gbps": Source("measured", "memory copy: one machine has no link"),
+               "gpu.pcie_gbps": Source("measured", "memory copy"),
+               "eff.hbm_decode": Source("assumed", "1: the copy bandwidth is the attainable one"),
+               "eff.link": Source("assumed", "1: loopback gloo; the sync's rest is in weight_update_overhead_s"),
+               "eff.tp_overhead": Source("assumed", "0: one rank"),
+               "eff.collective_latency_s": Source("assumed", "0: one rank"),
+               "eff.recompute_cost": Source("assumed", "not measured on CPU (the CPU recipes do not recompute)"),
+               "eff.decode_step_overhead_s": Source("fitted", f),
+               "eff.decode_seq_overhead_s": Source("fitted", f),
+               "eff.mfu_decode": Source("fitted", f),
+               "eff.mfu_train": Source("fitted", "fitted to the Megatron train steps measured by `realscale profile`"),
+               "eff.train_step_overhead_s": Source("fitted", "fitted to the Megatron train steps"),
+               "eff.mfu_prefill": Source("fitted", "first-token times: linear fit over requests and prompt tokens"),
+               "eff.request_overhead_s": Source("fitted", "first-token times: linear fit over requests and prompt tokens"),
+               "eff.weight_update_overhead_s": Source("measured", "median pause + weight stream + resume, less "
+                                                                  "the bytes at copy bandwidth")}
+    measurements = {"device": device, "decode": decode, "train": train, "sync": sync,
+                    "train_settings": train_settings, **(meta or {})}
+    return HardwareProfile(name, gpu, eff, sources, measurements)
+
+
+# ----------------------------------------------------------------------------- device
+
+
+def measure_device(threads: int = 1) -> dict[str, float]:
+    """One-thread matmul GFLOP/s and memory-copy GB/s; total RAM."""
+    import psutil
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    reps = 20
+    t = _median_time(lambda: [a @ b for _ in range(reps)], 3)
+    gflops = 2 * 512 ** 3 * reps / t / 1e9
+    src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), 5)
+    return {"matmul_gflops": gflops, "copy_gbps": 2 * src.numel() / t / 1e9,  # read + write
+            "memory_gb": psutil.virtual_memory().total / 1e9, "threads": threads}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+async def _timed_batch(client: Any, batch: int, prompt: int, new: int, vocab: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+    prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client.generate(p, dict(params)) for p in prompts))
+    return time.perf_counter() - t0
+
+
+async def _decode_points(url: str, vocab: int, repeats: int) -> list[dict[str, float]]:
+    from realscale.generate.client import InferenceClient
+
+    out = []
+    n1, n2 = DECODE_NEW
+    async with InferenceClient([url]) as client:
+        await _timed_batch(client, 4, 16, 8, vocab, 0)  # warm-up
+        for b in DECODE_BATCHES:
+            for p in DECODE_PROMPTS:
+                t1 = statistics.median([await _timed_batch(client, b, p, n1, vocab, r) for r in range(repeats)])
+                t2 = statistics.median([await _timed_batch(client, b, p, n2, vocab, r) for r in range(repeats)])
+                step = max(1e-6, (t2 - t1) / (n2 - n1))
+                out.append({"batch": b, "prompt": p, "ctx": p + (n1 + n2) / 2, "step_s": step,
+                            "tokens_per_s": b / step, "prefill_tokens": b * p, "prefill_s": max(0.0, t1 - n1 * step),
+                            "t_n1": t1, "t_n2": t2})
+    return out
+
+
+# ----------------------------------------------------------------------------- train + sync (a trainer rank)
+
+
+def _packed(vocab: int, tokens: int, seq_len: int, prompt_len: int, seed: int) -> Any:
+    import torch
+
+    from realscale.train.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    n = tokens // seq_len
+    seqs = [torch.randint(3, vocab, (seq_len,), generator=g) for _ in range(n)]
+    ans = seq_len - prompt_len
+    mask = [torch.cat([torch.zeros(prompt_len), torch.ones(ans)]) for _ in range(n)]
+    behav = [torch.cat([torch.zeros(prompt_len), -2.0 + 0.3 * torch.randn(ans, generator=g)]) for _ in range(n)]
+    adv = [torch.full((seq_len,), float(torch.randn((), generator=g))) for _ in range(n)]
+    return PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": adv})
+
+
+def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int, prompt_len: int) -> dict[str, Any]:
+    """Runs in a spawned rank: train-step and weight-sync timings with the real engine."""
+    import copy
+
+    import torch
+
+    from realscale.generate.client import InferenceClient
+    from realscale.generate.weight_sync import WeightSender
+    from realscale.parallel.spawn import free_port
+    from realscale.train.engine import EngineConfig, MegatronEngine
+    from realscale.trainer import update_policy
+
+    torch.set_num_threads(threads)
+    engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    vocab = engine.arch.vocab_size
+    train = []
+    for i, (tokens, seq_len, mb) in enumerate(TRAIN_POINTS):
+        c = copy.deepcopy(cfg)
+        c.train.mini_batches = mb
+        batch = _packed(vocab, tokens, seq_len, min(prompt_len, seq_len // 2), i)
+        update_policy(engine, batch, c)  # warm-up
+        t = _median_time(lambda: update_policy(engine, batch, c), repeats)
+        train.append({"tokens": tokens, "seq_len": seq_len, "prompt_len": min(prompt_len, seq_len // 2),
+                      "minibatches": mb, "seconds": t})
+
+    async def sync_times() -> list[float]:
+        sender = WeightSender("127.0.0.1", free_port(), world_size=2, group_name="realscale-profile", backend="gloo")
+        times = []
+        async with InferenceClient([url]) as client:
+            await client.init_weights_update_group(sender)
+            for v in range(repeats + 1):
+                t0 = time.perf_counter()
+                await client.pause("in_place")
+                await client.update_weights(sender, engine.export_hf_weights(bucket_bytes=64 << 20), weight_version=v)
+                await client.resume()
+                times.append(time.perf_counter() - t0)
+        return times[1:]
+
+    times = asyncio.run(sync_times())
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    return {"train": train, "sync": {"seconds": statistics.median(times), "all": times, "bytes": nbytes}}
+
+
+def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats: int = 3,
+                        name: str = "cpu") -> HardwareProfile:
+    """Measure this machine with the recipe's model (see the module docstring) and fit."""
+    from realscale.config import load_config
+    from realscale.launcher.local import start_servers, stop_servers
+    from realscale.parallel.model_spec import spec_from_hf_config
+    from realscale.parallel.spawn import run_distributed
+    from realscale.rollout.workflows import prompt_ids
+    from realscale.sft import build_base_model
+
+    cfg = load_config(recipe)
+    os.makedirs(work_dir, exist_ok=True)
+    model_dir = os.path.join(work_dir, "model")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        build_base_model(cfg, model_dir)  # the recipe's warm-start architecture; timing ignores the weights
+    import json
+
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        hf = json.load(fh)
+    spec = spec_from_hf_config(hf, itemsize=4 if cfg.model.dtype == "float32" else 2)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_len = len(prompt_ids(tokenizer, "7 4"))
+    device = measure_device(threads)
+    servers = start_servers(model_dir, 1, os.path.join(work_dir, "logs"), threads=threads, max_running=max(DECODE_BATCHES),
+                            context_length=max(DECODE_PROMPTS) + max(DECODE_NEW) + 8)
+    try:
+        decode = asyncio.run(_decode_points(servers[0].url, int(hf["vocab_size"]), repeats))
+        rank = run_distributed(_trainer_rank, 1, cfg, model_dir, servers[0].url, threads, repeats, prompt_len,
+                               timeout=1800)[0]
+    finally:
+        stop_servers(servers)
+    settings = {"train_mb_tokens": cfg.train.max_tokens_per_micro_batch,
+                "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens}
+    meta = {"recipe": recipe, "model": {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                             "num_key_value_heads", "intermediate_size", "vocab_size")},
+            "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return fit_profile(name, spec, device, decode, rank["train"], rank["sync"], settings, meta)

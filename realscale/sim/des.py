@@ -410,7 +410,7 @@ class Simulation:
 
     def _try_train(self) -> None:
         B = self.cfg.workload.batch
-        if self.trainer_busy or len(self.buffer) < B or self._due_running():
+        if self.trainer_busy or len(self.buffer) < B or self._due_running() or len(self.timeline) >= self.cfg.steps:
             return
         groups = [heapq.heappop(self.buffer)[2] for _ in range(B)]
         answer_tokens = sum(s.length for g in groups for s in g.seqs)

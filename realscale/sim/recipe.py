@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -34,19 +33,21 @@ CALIBRATION_JSON = os.path.join("benchmarks", "results", "sim_calibration.json")
 
 
 def cpu_model_spec(cfg: Any) -> ModelSpec:
-    """The recipe's model: a local HF directory, a built-in tiny model, or (``sft``) the
-    warm start's architecture built from the ``sft`` section (weights do not matter here)."""
-    from realscale.models.tiny import BUILTIN, resolve_model_path
+    """The recipe's model: a local HF directory or built-in tiny model, or (``sft``) the
+    warm start's architecture from the ``sft`` section (a tiny Qwen2 over the byte
+    tokenizer, as ``realscale sft`` builds it; nothing is built here)."""
+    from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolve_model_path
+    from realscale.parallel.model_spec import transformer_spec
 
+    itemsize = 4 if cfg.model.dtype == "float32" else 2
     path = cfg.model.path
     if path in BUILTIN or os.path.isdir(path):
-        path = resolve_model_path(path)
-    else:
-        from realscale.sft import build_base_model
-
-        path = build_base_model(cfg, tempfile.mkdtemp(prefix="realscale-sim-model-"))
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
-        return spec_from_hf_config(json.load(fh), itemsize=4 if cfg.model.dtype == "float32" else 2)
+        with open(os.path.join(resolve_model_path(path), "config.json"), encoding="utf-8") as fh:
+            return spec_from_hf_config(json.load(fh), itemsize=itemsize)
+    s = cfg.sft
+    vocab = -(-(len(SPECIAL_TOKENS) + len(byte_alphabet())) // 8) * 8  # the tokenizer's, rounded up to 8
+    return transformer_spec(s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size, vocab,
+                            tie_embeddings=True, qkv_bias=True, itemsize=itemsize)
 
 
 def task_prompt_len(cfg: Any) -> int:

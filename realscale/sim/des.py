@@ -36,9 +36,10 @@ tokens/s, idle fractions per role (the fraction of the role's GPU-time with noth
 a server with no running request or paused; the trainer waiting for a batch), weight-sync
 seconds, and the timeline of every step.
 
-Departures from the real system: answers are independent draws (no prompt-level
-correlation beyond the group's acceptance); a server's pause takes effect at once rather
-than after its current step; rewards take no time.
+Departures from the real system: answers are independent draws unless the workload
+draws a group together (:class:`realscale.sim.workload.TaskMix`); the weight transfer
+starts when the trainer finishes, not when the last server has finished its current step;
+rewards, batch packing and HTTP take no time beyond the profile's per-request overhead.
 """
 
 from __future__ import annotations

@@ -249,3 +249,10 @@ def planner_layout(cal: Calibrated, size: str, gpus: int, max_new: int, eta: int
     result = search(problem, "auto", iters=50_000, restarts=2)
     plan = plan_from_search(result, problem)
     return layout_from_plan(plan, GPUS_PER_NODE), plan
+
+
+def eta_sweep(cal: Calibrated, size: str, gpus: int, max_new: int, layout: RunLayout | None = None,
+              etas: tuple[int, ...] = (1, 2, 4, 8), sample: float = 0.25) -> dict[int, float]:
+    """Effective throughput of one layout (AReaL's by default) for several staleness bounds."""
+    return {eta: throughput(cal, size, gpus, max_new, "areal", sample, layout=layout, eta=eta).tokens_per_s
+            for eta in etas}

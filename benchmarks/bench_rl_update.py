@@ -39,7 +39,7 @@ def _batch(seqs: int, prompt: int, response: int) -> object:
 def _rank(model_dir: str, budgets: list[int], reps: int, seqs: int, prompt: int, response: int) -> dict[int, float]:
     from realscale.config import load_config
     from realscale.train.engine import EngineConfig, MegatronEngine
-    from realscale.trainer import update_policy
+    from realscale.train.actor import update_policy
 
     batch = _batch(seqs, prompt, response)
     out = {}

@@ -499,6 +499,15 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     return typing.cast(Config, obj)
 
 
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A :class:`Config` from its ``dataclasses.asdict`` form (how a run's config reaches
+    the processes the launcher starts)."""
+    try:
+        return typing.cast(Config, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data)))
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, "config") from None
+
+
 def to_yaml(cfg: Config) -> str:
     """The resolved config as YAML (loadable again by :func:`load_config`)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -17,9 +17,12 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from realscale.tasks.arith import Problem, is_correct, prompt_ids
+
+if TYPE_CHECKING:
+    from realscale.config import Config
 
 
 @dataclass
@@ -98,3 +101,17 @@ def write_result(result: EvalResult, path: str) -> str:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(asdict(result), fh, indent=2)
     return path
+
+
+def evaluate_heldout(cfg: Config, model_dir: str) -> dict[str, float] | None:
+    """Accuracy on the task's held-out split: greedy, and sampled at the run's temperature
+    (4 samples per prompt: the policy RL trains). None for sources without a split."""
+    if not cfg.data.source.startswith("task:"):
+        return None
+    from realscale.tasks.arith import task_from_config
+
+    problems = task_from_config(cfg.data).split("heldout")
+    greedy = evaluate(model_dir, problems, max_new_tokens=cfg.generate.max_new_tokens)
+    sampled = evaluate(model_dir, problems, samples=4, temperature=cfg.generate.temperature,
+                       max_new_tokens=cfg.generate.max_new_tokens, seed=cfg.run.seed)
+    return {"greedy": greedy.accuracy, "sampled": sampled.accuracy, "pass@4": sampled.pass_at_k}

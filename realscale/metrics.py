@@ -3,7 +3,7 @@ a progress bar, and at the end a PNG plot and a one-screen summary.
 
 The JSONL file is appended and flushed every step, so a crash loses nothing already
 logged; a resumed run first drops the records of steps after its checkpoint (they are
-redone; see ``realscale.trainer.truncate_logs``) and then appends, so each step appears once.
+redone; see ``realscale.train.checkpoint.truncate_logs``) and then appends, so each step appears once.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-from realscale.config import Config
+from realscale.config import Config, ConfigError
 from realscale.tasks.arith import ArithTask, Problem, encode_example, task_from_config
 
 MODEL_FAMILY = "qwen2"
@@ -197,3 +197,46 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
     with open(os.path.join(out_dir, "sft.json"), "w", encoding="utf-8") as fh:
         json.dump({**asdict(out), "losses": losses}, fh, indent=2)
     return out
+
+
+# ----------------------------------------------------------------------------- the RL run's policy
+
+
+def prepare_policy_model(cfg: Config, out_dir: str) -> str:
+    """The policy's HF directory: ``model.path: sft`` means the warm start of the ``sft``
+    section (run now unless already there); anything else is a directory or tiny name."""
+    from realscale.models.tiny import resolve_model_path
+
+    if cfg.model.path == "sft":
+        target = sft_output_dir(cfg)
+        if not os.path.isfile(os.path.join(target, "model.safetensors")):
+            run_sft(cfg)
+        else:
+            check_warm_start(cfg, target)
+        return target
+    return resolve_model_path(cfg.model.path)
+
+
+def warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a warm start depends on: the sft section (less where it goes and its own
+    evaluation), the data section's task knobs and the seed."""
+    sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
+    data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k in ("source", "size")}
+    return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
+
+
+def check_warm_start(cfg: Config, target: str) -> None:
+    """A cached warm start made by another recipe must not be reused silently."""
+    from omegaconf import OmegaConf
+
+    saved_path = os.path.join(target, "config.yaml")
+    if not os.path.isfile(saved_path):
+        return  # made by hand (or an older version): trust the user
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    want, have = warm_start_recipe(asdict(cfg)), warm_start_recipe(saved)
+    diff = [f"{sec}.{k}" for sec in ("sft", "data") for k in want[sec] if want[sec][k] != have[sec].get(k)]
+    if want["seed"] != have["seed"]:
+        diff.append("run.seed")
+    if diff:
+        raise ConfigError(f"the warm start in {target} was made with other settings ({', '.join(diff)}); "
+                          f"delete that directory to retrain it, or set sft.output to a new directory")

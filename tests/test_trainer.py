@@ -38,7 +38,7 @@ def test_rl_step_on_two_ranks_matches_one() -> None:
 def test_groups_to_batch_masks_prompts_and_broadcasts_advantages() -> None:
     from realscale.config import AlgoConfig
     from realscale.rollout.types import Group, Trajectory
-    from realscale.trainer import groups_to_batch
+    from realscale.train.actor import groups_to_batch
 
     def traj(reward: float, out: list[int], mask: list[int]) -> Trajectory:
         return Trajectory(prompt_ids=[1, 2], output_ids=out, output_logprobs=[-0.5] * len(out),
@@ -62,7 +62,7 @@ def test_recipe_takes_the_trainer_layout_from_a_plan(tmp_path) -> None:
     import sys
 
     from realscale.config import ConfigError, load_config
-    from realscale.trainer import apply_plan
+    from realscale.planner.apply import apply_plan
 
     out = tmp_path / "plan.yaml"
     res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", "qwen2-7b", "--nodes", "2",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from realscale.config import ConfigError, load_config, save_config
-from realscale.trainer import _check_warm_start
+from realscale.sft import check_warm_start as _check_warm_start
 
 
 def test_cached_warm_start_must_match_the_recipe(tmp_path) -> None:

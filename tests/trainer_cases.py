@@ -40,7 +40,7 @@ def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
 
     from realscale.config import load_config
     from realscale.train.engine import EngineConfig, MegatronEngine
-    from realscale import trainer
+    from realscale.train import actor as trainer
 
     cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-3", "train.mini_batches=2",
                              "train.max_tokens_per_micro_batch=40"])

@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.server:
             return generation_server(args.spec, args.index)
-        return trainer_rank(args.spec)
+        from realscale.trainer import rank_main
+
+        return trainer_rank(args.spec, rank_main)
     except (FileNotFoundError, DistEnvError) as exc:
         raise UsageError(str(exc)) from None

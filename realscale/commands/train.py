@@ -16,11 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from realscale import trainer
+    from realscale.config import load_config
+    from realscale.launcher.supervisor import train
+    from realscale.trainer import rank_main
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:
         recipe, overrides = None, [recipe, *overrides]
     if recipe is None:
         recipe = DEFAULT_RECIPE if os.path.exists(DEFAULT_RECIPE) else None
-    return trainer.main(recipe, overrides)
+    return train(load_config(recipe, overrides), rank_main)

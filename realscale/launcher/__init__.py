@@ -1,6 +1,6 @@
 """Starting a run's processes: one launcher, two backends.
 
-The supervisor (``realscale train``, :func:`realscale.trainer.train`) prepares the model,
+The supervisor (``realscale train``, :func:`realscale.launcher.supervisor.train`) prepares the model,
 then asks a backend to start the generation servers, then the trainer ranks, and watches
 them; one failing stops the rest. :func:`backend_for` picks the backend:
 

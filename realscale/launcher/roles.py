@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
@@ -48,19 +48,16 @@ def bootstrap(out_dir: str) -> DistEnv:
     return denv
 
 
-def trainer_rank(spec_path: str) -> int:
-    """Run one trainer rank of the run described by ``spec_path``."""
+def trainer_rank(spec_path: str, rank_entry: Callable[[dict[str, Any], str, list[str], str], None]) -> int:
+    """Run one trainer rank of the run described by ``spec_path`` (``rank_entry``:
+    :func:`realscale.trainer.rank_main`, passed in by the command)."""
     spec = RunSpec.load(spec_path)
     denv = bootstrap(spec.out_dir)
     import torch
 
     torch.set_num_threads(_threads(denv))
-    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        # torchrun / mpirun show every GPU of the node; srun --gpus-per-task shows one
-        torch.cuda.set_device(denv.local_rank % torch.cuda.device_count())
-    from realscale.trainer import rank_main
-
-    rank_main(spec.config, spec.model_dir, spec.server_urls, spec.out_dir)
+    # the device (LOCAL_RANK mod visible GPUs) is set by realscale.parallel.device.init_distributed
+    rank_entry(spec.config, spec.model_dir, spec.server_urls, spec.out_dir)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The Slurm backend: the roles of a run as job steps of the allocation it runs in.
 
 ``sbatch launch/slurm/ppo_7b.sh`` runs ``realscale train <recipe>`` as the batch step; the
-supervisor (``realscale.trainer.train``) sees the allocation and starts, through this
+supervisor (``realscale.launcher.supervisor.train``) sees the allocation and starts, through this
 module:
 
 1. a shared-storage check (multi-node: one task per node must read a nonce the batch

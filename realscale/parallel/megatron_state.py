@@ -6,8 +6,9 @@ the engine ask this module, never torch.distributed directly, for the layout.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from realscale.parallel.device import init_distributed  # noqa: F401 - the one helper, re-exported
 
 
 @dataclass(frozen=True)
@@ -17,21 +18,6 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
-
-
-def init_distributed(backend: str = "auto") -> None:
-    """``init_process_group`` from the usual env vars (RANK, WORLD_SIZE, MASTER_*), if
-    not already done. ``auto`` picks nccl with CUDA, else gloo."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
 
 
 def init_megatron(layout: Layout, seed: int = 1234) -> None:

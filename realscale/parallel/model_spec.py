@@ -198,8 +198,9 @@ def known_model(name: str, itemsize: int = 2) -> ModelSpec:
     return transformer_spec(itemsize=itemsize, **KNOWN_MODELS[key])
 
 
-def spec_from_hf_config(cfg: dict, itemsize: int = 2) -> ModelSpec:
-    """The spec of a Qwen2/Qwen3/Llama HF ``config.json`` (as a dict)."""
+def spec_from_hf_config(cfg: dict, itemsize: int = 2, vocab_multiple: int = 128) -> ModelSpec:
+    """The spec of a Qwen2/Qwen3/Llama HF ``config.json`` (as a dict); ``vocab_multiple=1``
+    gives the HF shapes themselves (no vocabulary padding)."""
     try:
         model_type = str(cfg.get("model_type", ""))
         return transformer_spec(
@@ -209,6 +210,6 @@ def spec_from_hf_config(cfg: dict, itemsize: int = 2) -> ModelSpec:
             ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
             head_dim=cfg.get("head_dim"), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3", itemsize=itemsize)
+            qk_norm=model_type == "qwen3", itemsize=itemsize, vocab_multiple=vocab_multiple)
     except KeyError as exc:
         raise LayoutError(f"HF config lacks {exc.args[0]!r}; expected a Qwen2/Qwen3/Llama config.json") from None

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import heapq
 import logging
 import threading
@@ -226,8 +227,13 @@ class RolloutController:
     def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
         """Run coroutine ``fn(client)`` on the controller's loop and wait for its result,
         e.g. ``ctl.call(lambda c: c.pause())`` around a weight update."""
-        self._require_started("call")
-        return asyncio.run_coroutine_threadsafe(_await(fn, self.client), self._loop).result(timeout)
+        return self.submit(fn).result(timeout)
+
+    def submit(self, fn: Callable[[Any], Any]) -> "concurrent.futures.Future[Any]":
+        """Start coroutine ``fn(client)`` on the controller's loop; its future, at once
+        (a weight transfer posts to the servers while this thread takes part in it)."""
+        self._require_started("submit")
+        return asyncio.run_coroutine_threadsafe(_await(fn, self.client), self._loop)
 
     @property
     def version(self) -> int:

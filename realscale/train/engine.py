@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from realscale.parallel.device import local_device
 from realscale.train.batch import PackedBatch, block_causal_mask
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -122,9 +123,8 @@ class MegatronEngine:
         model = build_gpt(self.arch, config, pre_process=self.ranks.is_first_stage,
                           post_process=self.ranks.is_last_stage, use_te=self.use_te)
         load_hf_weights(model, ec.model_path, self.arch, self.ranks.tp_rank, ec.tp)
-        if torch.cuda.is_available():
-            model = model.cuda()
-        self.model = model
+        self.device = local_device()
+        self.model = model.to(self.device)
         self.ddp: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
@@ -181,8 +181,8 @@ class MegatronEngine:
             row["cu_seqlens"] = torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad]) if pad else mb.cu_seqlens
         else:
             row["mask"] = block_causal_mask(seq_ids)
-        if torch.cuda.is_available():
-            row = {k: v.cuda() for k, v in row.items()}
+        if self.device.type != "cpu":
+            row = {k: v.to(self.device) for k, v in row.items()}
         return row
 
     def _stage_forward(self, model: Any, row: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -511,6 +511,14 @@ class MegatronEngine:
             return iter(())
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t.cpu())
         return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast)
+
+    def hf_weight_bytes(self) -> int:
+        """Bytes of the full HF-named weights in the parameter dtype (what one whole copy
+        of the model moves)."""
+        from realscale.parallel.model_spec import spec_from_hf_config
+
+        itemsize = torch.empty((), dtype=self.config.params_dtype).element_size()
+        return spec_from_hf_config(self.hf_config, itemsize=itemsize, vocab_multiple=1).param_bytes()
 
     def save_hf(self, out_dir: str) -> None:
         """Write an HF safetensors directory of the current weights (rank 0 writes)."""

@@ -25,7 +25,7 @@ def _planned(tmp_path: Path, recipe: str) -> object:
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(plan_for(cfg).to_yaml())
     cfg.parallel.plan = str(plan_file)
-    from realscale.trainer import apply_plan
+    from realscale.planner.apply import apply_plan
 
     return apply_plan(cfg)
 

@@ -1,0 +1,159 @@
+"""The supervisor of a run (``realscale train``): prepare, start, watch, report.
+
+1. **prepare**: apply the plan (``parallel.plan``), resolve the config and write it into
+   the run directory, make the policy model (the ``realscale sft`` warm start when the
+   recipe asks for it), evaluate it on the held-out split.
+2. **start**: the generation servers, then the trainer ranks (``rank_main`` of
+   :mod:`realscale.trainer`) through a backend: local processes, or Slurm job steps inside an allocation.
+3. **watch**: one failing process stops the others; SIGUSR1 (Slurm's notice before the
+   time limit, or a pre-emption) asks the ranks to checkpoint and exit, then the job is
+   requeued; SIGTERM / Ctrl-C stop everything.
+4. **report**: export the last checkpoint to HF, evaluate it, plot, print a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+from realscale.config import Config, config_from_dict, run_dir, save_config
+from realscale.eval import evaluate_heldout
+from realscale.launcher import LaunchError, backend_for, clear_stop, request_stop, stop_reason
+from realscale.metrics import plot_run, summary_text
+from realscale.planner.apply import apply_plan
+from realscale.sft import prepare_policy_model
+from realscale.train.checkpoint import checkpoint_name, latest_checkpoint
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+RankEntry = Callable[[dict[str, Any], str, list[str], str], None]
+
+
+def train(cfg: Config, rank_entry: RankEntry) -> int:
+    """The supervisor: prepare, start servers and trainer ranks (on this machine or as
+    Slurm job steps, see realscale/launcher/), watch, report. ``rank_entry`` is what each
+    trainer rank runs (:func:`realscale.trainer.rank_main`; the command wires it, so the
+    launcher never imports the loop)."""
+    previous_usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        return _supervise(cfg, rank_entry)
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
+
+
+def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
+    cfg = apply_plan(cfg)
+    out_dir = run_dir(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        backend = backend_for(cfg, out_dir)
+        backend.prepare()  # under Slurm: is the run directory on storage every node shares?
+    except LaunchError as exc:
+        print(f"realscale: {exc}", flush=True)
+        return 1
+    clear_stop(out_dir)  # the request that stopped an earlier (requeued) run is done with
+    # USR1: Slurm's notice before the time limit (--signal=B:USR1@secs) or pre-emption
+    signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))
+    save_config(cfg, out_dir)
+    t0 = time.time()
+    model_dir = prepare_policy_model(cfg, out_dir)
+    resumed = latest_checkpoint(out_dir) is not None
+    start_path = os.path.join(out_dir, "eval_start.json")
+    if resumed and os.path.exists(start_path):
+        with open(start_path, encoding="utf-8") as fh:
+            acc_start = json.load(fh)
+    else:
+        acc_start = evaluate_heldout(cfg, model_dir)
+        with open(start_path, "w", encoding="utf-8") as fh:
+            json.dump(acc_start, fh)
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C
+    code = 0
+    try:
+        if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
+            urls = backend.start_servers(model_dir, asdict(cfg))
+            backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
+            code = backend.wait()
+    except KeyboardInterrupt:
+        print("\nrealscale: interrupted; stopping trainer ranks and generation servers")
+        code = 130
+    except LaunchError as exc:
+        print(f"realscale: {exc}", flush=True)
+        code = 1
+    finally:
+        backend.stop()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late notice must not kill the final evaluation
+    reason = stop_reason(out_dir)
+    done = (latest_checkpoint(out_dir) or "").endswith(checkpoint_name(cfg.run.total_steps))
+    if code == 0 and reason is not None and not done:  # (a request after the last step changes nothing)
+        return stopped_early(cfg, backend, out_dir, reason)
+    if code != 0:
+        print(f"realscale: a process of the run failed (exit code {code}); logs under {out_dir}")
+        return code
+    final_dir = os.path.join(out_dir, "final")
+    acc_end = _final_accuracy(cfg, out_dir, final_dir)
+    hist_path = os.path.join(out_dir, "staleness_hist.json")
+    hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
+    extra = {"total time": f"{time.time() - t0:.0f} s"}
+    for kind in ("greedy", "sampled"):
+        extra[f"held-out accuracy ({kind})"] = (f"{_pct(acc_start and acc_start[kind])} -> "
+                                                f"{_pct(acc_end and acc_end[kind])}")
+    if acc_end is not None:
+        from realscale.metrics import MetricsLogger
+
+        log = MetricsLogger(out_dir, 0, progress=False)
+        record = {f"eval/{k}": v for k, v in acc_end.items()}
+        record["eval/accuracy"] = acc_end["greedy"]
+        record.update({f"eval/start_{k}": v for k, v in (acc_start or {}).items()})
+        log.log(cfg.run.total_steps, record)
+        log.close()
+    plot_run(out_dir, hist)
+    print(summary_text(out_dir, extra))
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
+                   "staleness_hist": hist}, fh, indent=1)
+    return 0
+
+
+def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
+    """The ranks checkpointed and exited on a stop request: requeue the Slurm job (it
+    resumes from that checkpoint), or say how to resume a local run."""
+    ckpt = latest_checkpoint(out_dir)
+    print(f"realscale: stopped on request ({reason}); last checkpoint {ckpt or 'none'}", flush=True)
+    if reason == "requeue" and cfg.launch.requeue:
+        backend.requeue()
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, float] | None:
+    """Export the last checkpoint to HF and evaluate it on the held-out split."""
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None or not cfg.data.source.startswith("task:"):
+        return None
+    from realscale.parallel.spawn import run_distributed
+
+    run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
+                    prepare_policy_model(cfg, out_dir), timeout=1200)
+    return evaluate_heldout(cfg, final_dir)
+
+
+def _export_final(cfg_dict: dict[str, Any], ckpt: str, final_dir: str, model_dir: str) -> None:
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = config_from_dict(cfg_dict)
+    cfg.parallel.dp = 1
+    eng = MegatronEngine(EngineConfig.from_config(cfg, model_dir, train=False))
+    eng.load(ckpt)
+    eng.save_hf(final_dir)

@@ -11,7 +11,7 @@ embedded server and one for a single trainer rank on a 2-core machine):
   ``N1`` and then ``N2`` new tokens (``ignore_eos``); the step time at batch ``b`` and mean
   context ``P + (N1 + N2) / 2`` is ``(T(N2) - T(N1)) / (N2 - N1)`` (request overheads and
   prefill cancel);
-- **train**: the Megatron engine of the recipe's model (``realscale.trainer.update_policy``:
+- **train**: the Megatron engine of the recipe's model (``realscale.train.actor.update_policy``:
   proximal log-probs + PPO mini-batch updates, the recipe's micro-batch budget) on packed
   batches of ``T`` tokens in ``mb`` mini-batches;
 - **weight sync**: the trainer's real update path (pause in place, stream the exported
@@ -248,7 +248,7 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
     from realscale.generate.weight_sync import WeightSender
     from realscale.parallel.spawn import free_port
     from realscale.train.engine import EngineConfig, MegatronEngine
-    from realscale.trainer import update_policy
+    from realscale.train.actor import update_policy
 
     torch.set_num_threads(threads)
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))

@@ -24,7 +24,7 @@ from realscale.planner import cost as C
 from realscale.planner.hardware import get_gpu
 from realscale.planner.plan import Plan
 from realscale.train.engine import EngineConfig
-from realscale.trainer import apply_plan
+from realscale.planner.apply import apply_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "configs", "*.yaml"))

@@ -1,6 +1,6 @@
 """Scaling curves of the AReaL paper under the step-time simulator (issue 19, items 3-5).
 
-    python benchmarks/sim_scaling.py calibrate   # fit on the 1.5B figures -> results/sim_calibration.json (~1-2 h)
+    python benchmarks/sim_scaling.py calibrate   # fit on the 1.5B figures -> results/sim_calibration.json (~1-3 h)
     python benchmarks/sim_scaling.py predict     # held-out 7B / 32B / Table 1 -> results/sim_predictions.json
     python benchmarks/sim_scaling.py figures     # PNGs + markdown tables per model, AReaL vs planner to 1,024 GPUs
 
@@ -51,13 +51,32 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from realscale.sim import paper as P
 
     t0 = time.time()
-    cal = P.calibrate(iters=args.iters, sample=args.sample, log=print)
+    if args.at:  # the search's best point from a log of an earlier run of this command
+        import numpy as np
+
+        from realscale.planner.hardware import builtin_profile
+
+        cal = P.calibrated_at(builtin_profile("H800"), np.array(json.loads(args.at), np.float64), args.sample)
+    else:
+        cal = P.calibrate(iters=args.iters, sample=args.sample, max_evals=args.max_evals, log=print)
     err, detail = P.calibration_error(cal, args.sample)
     out = cal.to_dict()
-    out.update({"command": "python benchmarks/sim_scaling.py calibrate", "sample": args.sample,
+    cmd = f"python benchmarks/sim_scaling.py calibrate --max-evals {args.max_evals}"
+    if args.at:
+        cmd = (f"python benchmarks/sim_scaling.py calibrate --at '{args.at}' (the best of the first "
+               f"{args.max_evals} evaluations of `{cmd}`, benchmarks/results/sim_calibration_log.txt)")
+    out.update({"command": cmd,
+                "sample": args.sample, "evaluations": args.max_evals, "params": list(P.PARAMS),
+                "x": cal_x(cal),
                 "fit": {k: {"simulated": a, "paper": b} for k, (a, b) in detail.items()},
                 "seconds": round(time.time() - t0), "date": time.strftime("%Y-%m-%d %H:%M")})
     _write(CAL_PATH, out)
+
+
+def cal_x(cal) -> list[float]:  # noqa: ANN001 - Calibrated
+    e = cal.profile.eff
+    return [round(math.log(cal.lengths.median), 3), round(cal.lengths.sigma, 3), round(math.log(e.hbm_decode), 3),
+            round(math.log(e.decode_step_overhead_s), 3), round(math.log(e.mfu_train), 3)]
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
@@ -205,6 +224,8 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("calibrate")
     c.add_argument("--iters", type=int, default=150)
+    c.add_argument("--max-evals", type=int, default=110, help="stop after this many simulations of the 17 figures")
+    c.add_argument("--at", default="", help="skip the search: JSON list of the 5 log parameters (a search log's best)")
     c.add_argument("--sample", type=float, default=0.25)
     p = sub.add_parser("predict")
     p.add_argument("--sample", type=float, default=0.25)

@@ -174,28 +174,48 @@ def calibration_error(cal: Calibrated, sample: float = 0.25, table1_weight: floa
     return err, detail
 
 
-def calibrate(gpu: str = "H800", iters: int = 120, sample: float = 0.25, log: Any = None) -> Calibrated:
-    """Fit :data:`PARAMS` to :data:`CALIBRATION` (Nelder-Mead on log parameters)."""
+class _Budget(Exception):
+    """The evaluation budget of the calibration is spent."""
+
+
+def calibrate(gpu: str = "H800", iters: int = 150, sample: float = 0.25, max_evals: int = 0,
+              log: Any = None) -> Calibrated:
+    """Fit :data:`PARAMS` to :data:`CALIBRATION` (Nelder-Mead on log parameters, from a fixed
+    start; every simulation has a fixed seed, so the search is deterministic). ``max_evals``
+    (> 0) stops it after that many distinct evaluations and keeps the best point seen."""
     from realscale.planner.calibrate import nelder_mead
 
     base = builtin_profile(gpu)
     x0 = np.array([math.log(6000.0), 0.8, math.log(0.3), math.log(5e-3), math.log(0.2)])
-    seen: dict[tuple, float] = {}
+    seen: dict[tuple, tuple[float, np.ndarray]] = {}
 
     def f(x: np.ndarray) -> float:
         key = tuple(np.round(x, 6))
         if key not in seen:
+            if max_evals and len(seen) >= max_evals:
+                raise _Budget
             try:
-                seen[key] = calibration_error(with_params(base, x), sample)[0]
+                err = calibration_error(with_params(base, x), sample)[0]
             except Exception:  # noqa: BLE001 - an infeasible point (e.g. a batch that cannot fit) is a bad point
-                seen[key] = 1e6
+                err = 1e6
+            seen[key] = (err, np.array(x, np.float64))
             if log is not None:
-                log(f"eval {len(seen)}: {np.round(x, 3).tolist()} -> {seen[key]:.4f}")
-        return seen[key]
+                log(f"eval {len(seen)}: {np.round(x, 3).tolist()} -> {err:.4f}")
+        return seen[key][0]
 
-    x, err = nelder_mead(f, x0, step=0.4, iters=iters, tol=1e-4)
+    try:
+        nelder_mead(f, x0, step=0.4, iters=iters, tol=1e-4)
+    except _Budget:
+        pass
+    _, x = min(seen.values(), key=lambda v: v[0])
+    return calibrated_at(base, np.round(x, 3), sample)
+
+
+def calibrated_at(base: HardwareProfile, x: np.ndarray, sample: float = 0.25) -> Calibrated:
+    """The calibration at parameters ``x`` (the search's best point, rounded to 3 decimals in
+    log space as the search log prints it), with its error over the 17 figures."""
     cal = with_params(base, x)
-    cal.error = math.sqrt(err / 17)
+    cal.error = math.sqrt(calibration_error(cal, sample)[0] / 17)
     return cal
 
 

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results/cpu_profile.json", help="profile JSON to write")
     parser.add_argument("--work", default="runs/profile", help="scratch directory (model, server log)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per role (a 2-core run gives 1 each)")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions per point (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions per point (the median is kept)")
     parser.add_argument("--show", default="", help="print this profile (JSON file or GPU name) and exit")
 
 

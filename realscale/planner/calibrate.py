@@ -41,8 +41,8 @@ import numpy as np
 from realscale.planner.hardware import GPU, Efficiency, HardwareProfile, Source
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
-DECODE_PROMPTS = (16, 224, 416)
-DECODE_NEW = (8, 48)
+DECODE_PROMPTS = (16, 160, 320)
+DECODE_NEW = (8, 72)
 TRAIN_POINTS = ((1024, 96, 1), (2048, 96, 1), (4096, 96, 1), (2048, 32, 4), (4096, 32, 4), (8192, 32, 4))
 
 
@@ -203,20 +203,29 @@ async def _timed_batch(client: Any, batch: int, prompt: int, new: int, vocab: in
 
 
 async def _decode_points(url: str, vocab: int, repeats: int) -> list[dict[str, float]]:
+    """Every (batch, prompt, new tokens) point ``repeats`` times in a shuffled order (a burst
+    of load from other processes then spreads over all points instead of biasing one);
+    the median of each is kept."""
+    import random
+
     from realscale.generate.client import InferenceClient
 
-    out = []
     n1, n2 = DECODE_NEW
+    runs = [(b, p, n, r) for b in DECODE_BATCHES for p in DECODE_PROMPTS for n in DECODE_NEW for r in range(repeats)]
+    random.Random(0).shuffle(runs)
+    times: dict[tuple[int, int, int], list[float]] = {}
     async with InferenceClient([url]) as client:
         await _timed_batch(client, 4, 16, 8, vocab, 0)  # warm-up
-        for b in DECODE_BATCHES:
-            for p in DECODE_PROMPTS:
-                t1 = statistics.median([await _timed_batch(client, b, p, n1, vocab, r) for r in range(repeats)])
-                t2 = statistics.median([await _timed_batch(client, b, p, n2, vocab, r) for r in range(repeats)])
-                step = max(1e-6, (t2 - t1) / (n2 - n1))
-                out.append({"batch": b, "prompt": p, "ctx": p + (n1 + n2) / 2, "step_s": step,
-                            "tokens_per_s": b / step, "prefill_tokens": b * p, "prefill_s": max(0.0, t1 - n1 * step),
-                            "t_n1": t1, "t_n2": t2})
+        for b, p, n, r in runs:
+            times.setdefault((b, p, n), []).append(await _timed_batch(client, b, p, n, vocab, r))
+    out = []
+    for b in DECODE_BATCHES:
+        for p in DECODE_PROMPTS:
+            t1, t2 = statistics.median(times[(b, p, n1)]), statistics.median(times[(b, p, n2)])
+            step = max(1e-6, (t2 - t1) / (n2 - n1))
+            out.append({"batch": b, "prompt": p, "ctx": p + (n1 + n2) / 2, "step_s": step,
+                        "tokens_per_s": b / step, "prefill_tokens": b * p, "prefill_s": max(0.0, t1 - n1 * step),
+                        "t_n1": t1, "t_n2": t2})
     return out
 
 
@@ -281,7 +290,7 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
     return {"train": train, "sync": {"seconds": statistics.median(times), "all": times, "bytes": nbytes}}
 
 
-def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats: int = 3,
+def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats: int = 5,
                         name: str = "cpu") -> HardwareProfile:
     """Measure this machine with the recipe's model (see the module docstring) and fit."""
     from realscale.config import load_config

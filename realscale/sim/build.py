@@ -50,8 +50,12 @@ class RunLayout:
                 f"train {self.train} ({self.train.world} GPUs)")
 
 
+SGLANG_RESERVE_RATIO = 0.1  # assumed: SGLang's new_token_ratio decays from 0.7 to ~0.1 (0.7 x 0.14) while nothing is retracted
+
+
 def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
-                 max_running: int = 1 << 30, kv_budget: bool = True) -> ServerModel:
+                 max_running: int = 1 << 30, kv_budget: bool = True,
+                 reserve_ratio: float = SGLANG_RESERVE_RATIO) -> ServerModel:
     """One generation server of ``tp`` GPUs under the cost model."""
     gpu, eff = hw.gpu, hw.eff
     kv_tokens = math.inf
@@ -67,7 +71,8 @@ def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
     def prefill(tokens: int, requests: int) -> float:
         return tokens * prefill_flops / (peak * eff.mfu_prefill) + requests * eff.request_overhead_s
 
-    return ServerModel(decode, prefill, max_running, kv_tokens, tp)
+    return ServerModel(decode, prefill, max_running=max_running, kv_tokens=kv_tokens, reserve_ratio=reserve_ratio,
+                       gpus=tp)
 
 
 def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb_tokens: int, minibatches: int,

@@ -121,3 +121,16 @@ def test_lognormal_is_cut_at_the_cap() -> None:
     x = Lognormal(1000, 1.0).sample(np.random.default_rng(0), 10000, 2000)
     assert x.max() == 2000 and x.min() >= 1
     assert math.isclose(np.median(x), 1000, rel_tol=0.05)
+
+
+def test_server_model_from_the_cost_model_keeps_its_fields() -> None:
+    """The cost-model server: tp GPUs, SGLang's admission reserve, a KV budget from the GPU's memory."""
+    from realscale.parallel.model_spec import known_model
+    from realscale.planner.hardware import builtin_profile
+    from realscale.sim.build import SGLANG_RESERVE_RATIO, server_model
+
+    for tp in (1, 8):
+        sm = server_model(known_model("qwen2-32b" if tp == 8 else "qwen2-1.5b"), builtin_profile("H800"), tp, 1024,
+                          max_running=256)
+        assert (sm.gpus, sm.reserve_ratio, sm.max_running) == (tp, SGLANG_RESERVE_RATIO, 256)
+        assert 1e5 < sm.kv_tokens < 1e8

@@ -103,12 +103,15 @@ def measure(records: list[dict], warmup: int, poller: ServerPoller | None) -> di
     steps = [r for r in records if "perf/step_s" in r]
     kept = steps[warmup:]
     wall = sum(r["perf/step_s"] for r in kept)
-    t0, t1 = kept[0]["time"] - kept[0]["perf/step_s"], kept[-1]["time"]
+    # the steps run back to back and each is logged as it ends, except that the last log
+    # may wait for the final checkpoint: the window is the first kept step's start + wall
+    t0 = kept[0]["time"] - kept[0]["perf/step_s"]
+    t1 = t0 + wall
     gen0 = steps[warmup - 1].get("rollout_ctl/generated_tokens", 0) if warmup else 0
     gen1 = kept[-1].get("rollout_ctl/generated_tokens", 0)
     return {"steps": len(steps), "measured_steps": len(kept), "wall_s": wall,
             "tokens_per_s": sum(r["perf/trained_tokens"] for r in kept) / wall,
-            "generated_tokens_per_s": (gen1 - gen0) / (t1 - t0),
+            "generated_tokens_per_s": (gen1 - gen0) / wall,
             "step_s": wall / len(kept),
             "weight_sync_s": sum(r["perf/weight_sync_s"] for r in kept) / len(kept),
             "idle": {"train": sum(r["perf/wait_rollout_s"] for r in kept) / wall,

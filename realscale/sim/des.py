@@ -141,7 +141,7 @@ class SimResult:
 
 
 class _Seq:
-    __slots__ = ("uid", "group", "length", "base", "admit_step", "server", "recompute")
+    __slots__ = ("uid", "group", "length", "base", "admit_step", "recompute")
     _next = 0
 
     def __init__(self, group: "_Group", length: int) -> None:
@@ -151,7 +151,6 @@ class _Seq:
         self.length = length
         self.base = 0          # tokens generated before its current admission
         self.admit_step = 0
-        self.server = -1
         self.recompute = True  # its prompt (+ partial answer) must be prefilled on admission
 
 
@@ -169,7 +168,7 @@ class _Group:
 
 class _Server:
     __slots__ = ("idx", "running", "heap", "waiting", "step", "ctx_sum", "token", "active", "t_start", "t0",
-                 "st", "k", "boundary", "paused", "busy", "decoded")
+                 "st", "k", "boundary", "paused", "busy")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -187,7 +186,6 @@ class _Server:
         self.boundary = False   # the chunk was cut short at a step boundary
         self.paused = False
         self.busy = 0.0
-        self.decoded = 0
 
 
 class Simulation:
@@ -267,7 +265,6 @@ class Simulation:
                 break
             srv.waiting.popleft()
             seq.admit_step = srv.step
-            seq.server = srv.idx
             srv.running[seq.uid] = seq
             heapq.heappush(srv.heap, (srv.step + seq.length - seq.base, seq.uid))
             srv.ctx_sum += ctx
@@ -345,7 +342,6 @@ class Simulation:
         srv.busy += self.now - srv.t_start
         srv.step += srv.k
         srv.ctx_sum += b * srv.k
-        srv.decoded += b * srv.k
         self.gen_tokens_done += b * srv.k
         finished = []
         while srv.running and self._top(srv) <= srv.step:

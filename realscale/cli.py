@@ -4,8 +4,9 @@ Subcommands are listed in :data:`COMMANDS` as ``name -> (module, one-line help)`
 module is imported only when its subcommand runs, so ``realscale --help`` never imports
 torch. Each module defines ``add_arguments(parser)`` and ``run(args) -> int``.
 
-A :class:`~realscale.config.ConfigError` (or any other ``UsageError``) is printed as one
-line, ``realscale: error: ...``, with exit code 2 and no traceback.
+A :class:`~realscale.errors.UserError` (a bad config or command line, a missing model or
+dataset, a recipe for hardware that is not there, a bad plan) is printed as one line,
+``realscale: error: ...``, with exit code 2 and no traceback.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import argparse
 import importlib
 import sys
 
+from realscale.errors import UserError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("realscale.commands.train", "run fully asynchronous RL (default: the tiny CPU recipe, embedded servers)"),
     "config": ("realscale.commands.config", "show, check or document the configuration (recipe + overrides)"),
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
     "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
-    "sft": ("realscale.commands.sft", "warm-start a tiny Qwen2 on the default task (masked NLL on the Megatron engine)"),
-    "eval": ("realscale.commands.eval", "held-out accuracy of a model directory on the task (embedded generation engine)"),
+    "sft": ("realscale.commands.sft", "supervised fine-tuning (prompt/response or chat JSONL, or the task) on the Megatron engine; staged recipes"),
+    "eval": ("realscale.commands.eval", "pass@k / avg@n / maj@n of a model on a benchmark file or a task, through generation servers"),
+    "data": ("realscale.commands.data", "convert public dataset layouts (GSM8K, MATH, AIME, AReaL, code) into the recipe format"),
     "sweep": ("realscale.commands.sweep", "render one plan and one sbatch job per model size (or config axis); --dry-run prints them"),
     "profile": ("realscale.commands.profile", "measure this machine's hardware profile (decode, train step, weight sync) for the cost model"),
     "simulate": ("realscale.commands.simulate", "simulate whole RL runs (async vs sync) from a recipe or plan: tokens/s, idle, timeline"),
@@ -29,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A user mistake that deserves a one-line message rather than a traceback."""
 
 
@@ -70,11 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"realscale {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    from realscale.config import ConfigError
-
     try:
         return int(module.run(args) or 0)
-    except (ConfigError, UsageError) as exc:
+    except UserError as exc:  # config, usage, missing model or data, absent hardware, bad plan
         print(f"realscale: error: {exc}", file=sys.stderr)
         return 2
 

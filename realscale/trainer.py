@@ -7,9 +7,11 @@ keeps prompts in flight on the generation servers within the staleness bound η,
 holds the servers' control. Then, each step:
 
 1. **batch** — the driver takes B accepted groups (waiting for rollouts if needed) and
-   packs them with GRPO/LOO advantages; every rank receives the batch;
+   packs them with GRPO/LOO advantages (GAE: token rewards); every rank receives the batch;
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
-   data-parallel rank on its token-balanced share;
+   data-parallel rank on its token-balanced share; with GAE the critic
+   (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
+   value-loss steps after;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -33,9 +35,20 @@ from realscale.config import Config, config_from_dict
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.device import init_distributed
+from realscale.rollout.rewards import reward_pool_stats
 from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
-from realscale.train.checkpoint import latest_checkpoint, record_trained, save_checkpoint, truncate_logs
+from realscale.train.batch import PackedBatch
+from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoint, record_trained,
+                                        rotate_checkpoints, save_checkpoint, truncate_logs)
+from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
+
+if TYPE_CHECKING:
+    from realscale.metrics import MetricsLogger
+    from realscale.rollout.controller import RolloutController
+
+
+BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
 
 
 class Trainer:
@@ -46,21 +59,27 @@ class Trainer:
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+        self.critic: CriticEngine | None = None
+        if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
+            self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
         if self.resumed_from:
             extra = self.engine.load(self.resumed_from)
             self.step, self.version = int(extra["step"]), int(extra["version"])
-        self.controller: Any = None
-        self.logger: Any = None
+            if self.critic is not None:
+                self.critic.load(critic_dir(self.resumed_from))
+        self.controller: RolloutController | None = None
+        self.logger: MetricsLogger | None = None
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u) for u in server_urls])
+            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls])
         self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
 
-    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]) -> tuple[Any, Any]:
+    def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
+                      ) -> tuple["RolloutController", "MetricsLogger"]:
         """The rollout controller (paused until the servers hold this run's weights) and
         the metrics logger; on resume, logs are cut back to the checkpoint's step."""
         from realscale.metrics import MetricsLogger
@@ -102,7 +121,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch, stats = self._next_batch()
         t_wait = time.perf_counter() - t0
-        stats.update(update_policy(self.engine, batch, self.cfg))
+        stats.update(update_policy(self.engine, batch, self.cfg, self.critic))
         t_train = time.perf_counter() - t0 - t_wait
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))
@@ -124,16 +143,33 @@ class Trainer:
         elif self.is_driver:
             self.controller.resume()
 
-    def _next_batch(self) -> tuple[Any, dict[str, float]]:
+    def _next_batch(self) -> tuple[PackedBatch, dict[str, float]]:
         """The driver's next B groups as a packed batch, on every rank."""
         batch, stats = None, {}
         if self.is_driver:
-            groups = self.controller.get_batch(self.cfg.rollout.batch_size, timeout=self.cfg.generate.request_timeout)
+            groups = self._wait_for_groups()
             batch, stats = groups_to_batch(groups, self.cfg.algo)
             lags = [self.version - g.min_version for g in groups]
             stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
             record_trained(self.out_dir, self.step + 1, groups)
         return broadcast_batch(batch), stats
+
+    def _wait_for_groups(self) -> list[Any]:
+        """B groups from the controller, waiting at most the batch limit that follows from
+        the recipe's generation length and the measured decode rate (none while the
+        request limit is none; realscale/generate/timeouts.py). The limit is re-read while
+        waiting, as rates get measured."""
+        r, g = self.cfg.rollout, self.cfg.generate
+        start = time.monotonic()
+        while True:
+            limit = self.controller.client.timeouts.batch_limit(
+                g.max_new_tokens, r.batch_size * r.n_samples, g.num_servers * g.max_running_requests)
+            left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+            try:
+                return self.controller.get_batch(r.batch_size, timeout=max(left, 0.0))
+            except TimeoutError:
+                if limit is not None and time.monotonic() - start >= limit:
+                    raise
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:
@@ -141,6 +177,8 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
+        stats.update(reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
+        stats.update(disk_usage(self.out_dir))
         self.logger.log(self.step, stats)
 
     def _checkpoint_due(self) -> bool:
@@ -151,7 +189,9 @@ class Trainer:
         extra: dict[str, Any] = {"step": self.step, "version": self.version}
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
-        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver)
+        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver, critic=self.critic)
+        if self.is_driver:  # bounded storage: the new checkpoint is complete, older ones may go
+            rotate_checkpoints(self.out_dir, self.cfg.run.keep_checkpoints, self.cfg.run.pin_checkpoints)
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

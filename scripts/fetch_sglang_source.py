@@ -1,9 +1,13 @@
-"""Fetch SGLang's protocol source files for the contract tests (no install, no deps).
+"""Fetch the pinned SGLang's source files for the contract tests (no install, no deps).
 
     python scripts/fetch_sglang_source.py     # -> ~/.cache/realscale/sglang (or $REALSCALE_CACHE/sglang)
+
+Downloads exactly ``realscale.generate.sglang_reference.PINNED`` with ``pip download
+--no-deps`` and unpacks its protocol files (plus the msgspec wheel its generated API
+contract module imports); nothing is installed.
 """
 
-from realscale.generate.sglang_reference import fetch
+from realscale.generate.sglang_reference import PINNED, fetch
 
 if __name__ == "__main__":
-    print(f"SGLang protocol sources in {fetch()}")
+    print(f"SGLang {PINNED} protocol sources in {fetch()}")

@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+MULTIPROC_TIMEOUT_S = 900
+
 
 def _leave_slurm_allocation() -> None:
     """Tests start their runs on this machine. Inside a Slurm allocation (a batch script or
@@ -42,3 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        # spawned gloo ranks start slower than the 600 s hang guard of pytest.ini allows
+        # for; an end-to-end test names its own budget (pytest.mark.timeout)
+        if "multiproc" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(MULTIPROC_TIMEOUT_S))

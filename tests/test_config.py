@@ -60,6 +60,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     ("", ["rollout=3"], "'rollout' is a section"),
     ("", ["algo.loss_agg=sum"], "algo.loss_agg: 'sum' is not one of"),
     ("", ["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
+    ("", ["algo.kl_coef=0.1"], "algo.kl_coef: 0.1 needs a reference policy"),
 ])
 def test_config_errors_are_one_line(tmp_path: Path, yaml_text: str, overrides: list[str], message: str) -> None:
     path = tmp_path / "recipe.yaml"

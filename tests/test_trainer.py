@@ -66,13 +66,16 @@ def test_recipe_takes_the_trainer_layout_from_a_plan(tmp_path) -> None:
 
     out = tmp_path / "plan.yaml"
     res = subprocess.run([sys.executable, "-m", "realscale", "plan", "--model", "qwen2-7b", "--nodes", "2",
-                          "--gpus-per-node", "8", "--gpu", "H100", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                          "--gpus-per-node", "8", "--gpu", "H100", "--mode", "disaggregated", "--no-ref",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     from realscale.planner.plan import Plan
 
-    want = Plan.load(str(out)).roles["actor_train"].strategy
-    cfg = apply_plan(load_config(None, [f"parallel.plan={out}"]))
+    roles = Plan.load(str(out)).roles
+    want, gen = roles["actor_train"].strategy, roles["actor_gen"].strategy
+    cfg = apply_plan(load_config(None, [f"parallel.plan={out}", "model.path=models/not-downloaded",
+                                        "launch.model_size=qwen2-7b"]))
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (want.dp, want.tp, want.pp)
+    assert (cfg.generate.num_servers, cfg.generate.tp) == (gen.dp, gen.tp)
     with pytest.raises(ConfigError, match="file not found"):
         apply_plan(load_config(None, ["parallel.plan=/no/plan.yaml"]))

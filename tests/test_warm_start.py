@@ -15,7 +15,7 @@ def test_cached_warm_start_must_match_the_recipe(tmp_path) -> None:
     moved = load_config(None, ["data.source=task:arith", "sft.steps=7", "sft.output=elsewhere", "sft.eval_size=3"])
     _check_warm_start(moved, str(tmp_path))  # where it goes and its own evaluation do not matter
     for change, named in (("sft.steps=8", "sft.steps"), ("data.task_worked_fraction=0.5", "data.task_worked_fraction"),
-                          ("run.seed=5", "run.seed")):
+                          ("run.seed=5", "run.seed"), ("rollout.workflow=multi_turn", "rollout.workflow")):
         other = load_config(None, ["data.source=task:arith", "sft.steps=7", change])
         with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
             _check_warm_start(other, str(tmp_path))

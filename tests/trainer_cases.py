@@ -56,3 +56,49 @@ def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
     after = engine.logprobs(batch)["logprobs"]
     return {"stats": stats, "before": before, "after": after, "advantages": batch.fields["advantages"],
             "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}
+
+
+def structured_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0) -> list[Any]:
+    """Groups whose reward is decided by one token: 1 when the answer's second token is
+    even. The value of every state after that token is therefore known exactly, before
+    it only on average: per-token structure a critic can learn."""
+    groups = synthetic_groups(engine, num_groups, n, seed)
+    for g in groups:
+        for t in g:
+            t.reward = float(len(t.output_ids) > 1 and t.output_ids[1] % 2 == 0)
+    return groups
+
+
+def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0, critic_lr: float = 1e-3) -> dict[str, Any]:
+    """``steps`` PPO-with-GAE updates (actor and critic; advantages normalised over the
+    global batch) on one structured batch: the critic's value loss and values after each
+    step, the policy's log-probs after each step, and the first step's advantages."""
+    import torch.distributed as dist
+
+    from realscale.config import load_config
+    from realscale.train import actor as trainer
+    from realscale.train.critic import CriticEngine, critic_engine_config, gae_advantages
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-4", "train.mini_batches=1",
+                             "train.max_tokens_per_micro_batch=40", "algo.adv_estimator=gae", f"critic.lr={critic_lr}",
+                             f"algo.lam={lam}", "algo.normalize_adv_over_batch=true"])
+    engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    critic = CriticEngine(critic_engine_config(cfg, model_dir))
+    batch = None
+    if dist.get_rank() == 0:
+        batch, _ = trainer.groups_to_batch(structured_groups(engine), cfg.algo)
+    else:
+        structured_groups(engine)
+    batch = trainer.broadcast_batch(batch)
+    whole = batch.select(list(range(batch.num_seqs)))  # a copy: updates below write into their shares
+    gae_advantages(critic, whole, cfg.algo)  # on the whole batch, before any update
+    losses, values, policy = [], [], []
+    for _ in range(steps):
+        losses.append(trainer.update_policy(engine, batch, cfg, critic)["critic/loss"])
+        values.append(critic.values(batch))
+        policy.append(engine.logprobs(batch)["logprobs"])
+    return {"losses": losses, "values": values, "policy": policy,
+            "advantages": whole.fields["advantages"],
+            "returns": whole.fields["returns"], "rewards": batch.fields["rewards"],
+            "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}

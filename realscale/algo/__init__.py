@@ -1,4 +1,5 @@
-"""RL math as pure tensor functions: advantages, GAE, the (decoupled) PPO loss, KL, filtering.
+"""RL math as pure tensor functions: advantages, GAE, the (decoupled) PPO loss, the clipped
+value loss, KL, filtering.
 
 Everything here works on *packed* tensors: the tokens of many sequences concatenated
 into one 1-D tensor, with ``cu_seqlens`` (int64, B+1 offsets) marking where each
@@ -7,14 +8,17 @@ passes a global ``normalizer`` so that per-micro-batch losses add up to the exac
 of the whole batch.
 """
 
-from realscale.algo.advantages import broadcast_to_tokens, grpo_advantages, loo_advantages
+from realscale.algo.advantages import (batch_normalized_advantages, broadcast_to_tokens, grpo_advantages,
+                                       loo_advantages, masked_moments, normalize_by_moments)
 from realscale.algo.filtering import FilterResult, dynamic_sampling_filter
 from realscale.algo.gae import gae, gae_reference, gae_torch
 from realscale.algo.kl import kl_penalty
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
+from realscale.algo.value import value_loss
 
 __all__ = [
     "FilterResult",
+    "batch_normalized_advantages",
     "broadcast_to_tokens",
     "dynamic_sampling_filter",
     "gae",
@@ -25,5 +29,8 @@ __all__ = [
     "loo_advantages",
     "loss_kwargs_from_config",
     "loss_normalizer",
+    "masked_moments",
+    "normalize_by_moments",
     "ppo_loss",
+    "value_loss",
 ]

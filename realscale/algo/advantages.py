@@ -1,4 +1,5 @@
-"""Critic-free advantages from per-sequence rewards: GRPO and leave-one-out (RLOO).
+"""Critic-free advantages from per-sequence rewards: GRPO and leave-one-out (RLOO); and
+normalisation over the global batch.
 
 GRPO (Shao et al., arXiv 2402.03300): ``A_i = (r_i - mean_g) / (std_g + eps)``, with the
 std optional (Dr. GRPO, arXiv 2503.20783, drops it). The std is the unbiased (n-1) one,
@@ -11,6 +12,14 @@ Groups are given either as one ``group_size`` (the sequences of a group are adja
 the usual layout of n samples per prompt) or as ``cu_groups`` offsets when groups differ
 in size (e.g. after filtering). The result is one advantage per sequence; spread it over
 the tokens with :func:`broadcast_to_tokens`.
+
+Global-batch normalisation (AReaL, arXiv 2505.24298: its critic-free PPO takes the
+sequence reward as every token's advantage and normalises over the whole batch instead of
+per group): ``A <- (A - mean) / (std + eps)`` with mean and (unbiased) std over every
+trained token of the step. Split as :func:`masked_moments` (count, sum, sum of squares:
+they add up across micro-batches and data-parallel ranks, so an all-reduce of three
+numbers gives the global statistics) and :func:`normalize_by_moments`;
+:func:`batch_normalized_advantages` is the one-process composition.
 """
 
 from __future__ import annotations
@@ -87,3 +96,30 @@ def broadcast_to_tokens(per_seq: Tensor, cu_seqlens: Tensor, mask: Tensor | None
         check_1d("mask", mask, n)
         out = out * mask.to(out.dtype)
     return out
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """``[count, sum, sum of squares]`` of ``x`` over ``mask`` (float64): additive across
+    pieces of a batch, so their sum (or all-reduce) gives the whole batch's moments."""
+    check_1d("x", x, floating=True)
+    check_1d("mask", mask, x.numel())
+    m = mask.to(torch.bool)
+    v = x.double()[m]
+    return torch.stack([v.new_tensor(float(v.numel())), v.sum(), (v * v).sum()])
+
+
+def normalize_by_moments(x: Tensor, mask: Tensor, moments: Tensor, eps: float = 1e-6) -> Tensor:
+    """``(x - mean) / (std + eps)`` on ``mask`` (0 elsewhere), mean and unbiased std from
+    :func:`masked_moments` of the whole batch; fewer than two tokens: only centred."""
+    check_1d("mask", mask, x.numel())
+    n, total, sq = (float(v) for v in moments.double())
+    mean = total / max(n, 1.0)
+    var = (sq - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    std = max(var, 0.0) ** 0.5
+    out = (x.double() - mean) / (std + eps) if n > 1 else x.double() - mean
+    return torch.where(mask.to(torch.bool), out, 0.0).to(x.dtype)
+
+
+def batch_normalized_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """Advantages normalised to mean 0, std 1 over the masked tokens of this batch."""
+    return normalize_by_moments(advantages, mask, masked_moments(advantages, mask), eps)

@@ -1,4 +1,8 @@
-"""``realscale serve``: start the embedded generation server (SGLang's HTTP protocol)."""
+"""``realscale serve``: start the embedded generation server (SGLang's HTTP protocol).
+
+``--tp N`` runs it on N tensor-parallel ranks: this process (rank 0: HTTP + scheduler)
+and N-1 worker processes it spawns (:mod:`realscale.generate.ranks`). Exit code 1 means
+a rank died (the log says which)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-length", type=int, default=2048, help="longest prompt + answer, in tokens")
     parser.add_argument("--weight-version", default="0", help="initial weight version tag")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) of this server")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads per rank (0: torch's default for rank 0, 1 for the others)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
     if args.max_running < 1 or args.context_length < 2:
         raise UsageError("--max-running must be >= 1 and --context-length >= 2")
+    if args.tp < 1 or args.threads < 0:
+        raise UsageError(f"--tp must be >= 1 and --threads >= 0, got --tp {args.tp} --threads {args.threads}")
     import torch
 
     from realscale.generate.server import EmbeddedServer, serve
@@ -34,9 +42,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = EmbeddedServer(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running,
                                 context_length=args.context_length, weight_version=args.weight_version,
-                                seed=args.seed)
+                                seed=args.seed, tp=args.tp, threads=max(1, args.threads))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    print(f"realscale serve: {server.model_path} on http://{args.host}:{args.port}", flush=True)
-    serve(server, args.host, args.port)
-    return 0
+    print(f"realscale serve: {server.model_path} on http://{args.host}:{args.port} ({args.tp} rank(s))", flush=True)
+    return serve(server, args.host, args.port)

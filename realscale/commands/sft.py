@@ -1,4 +1,9 @@
-"""``realscale sft``: warm-start a tiny Qwen2 on the task (next-token NLL on the answers)."""
+"""``realscale sft``: supervised fine-tuning on the Megatron engine (realscale/sft.py).
+
+Without ``sft.data``: the default recipe's warm start (a fresh tiny Qwen2 on the task's
+answers). With it: any model (``sft.base_model``) on prompt/response or chat JSONL,
+response tokens only, in the ``parallel`` layout; ``sft.stages`` runs a staged recipe.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad task knobs or an unusable base model
         raise UsageError(str(exc)) from None
     acc = "n/a" if result.heldout_accuracy is None else f"{result.heldout_accuracy:.3f}"
+    for st in result.stages[:-1] if len(result.stages) > 1 else []:
+        print(f"  stage {st['dir']}: {st['steps']} steps at max_seq_len {st['max_seq_len']}, nll "
+              f"{st['first_loss']:.3f} -> {st['last_loss']:.3f}, {st['examples']} examples, refused {st['refused']}")
     print(f"realscale sft: {result.model_dir}: {result.steps} steps, nll {result.first_loss:.3f} -> "
           f"{result.last_loss:.3f} in {result.train_seconds:.1f} s; held-out accuracy {acc}")
     return 0

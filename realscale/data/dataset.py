@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from realscale.errors import UserError
+
 log = logging.getLogger(__name__)
 
 GYM_PREFIX = "gym:"
@@ -48,7 +50,7 @@ class PromptSample:
     uid: str = ""  # "<file>:<line>" or "gym:<task>:<index>": stable across runs and ranks
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset source that cannot be used at all (missing file, unknown gym task ...)."""
 
 
@@ -80,7 +82,7 @@ def check_row(row: Any) -> tuple[dict[str, Any] | None, str]:
 # --------------------------------------------------------------------------- readers
 
 
-def _read_jsonl(path: str) -> Iterator[tuple[int, Any, str]]:
+def read_jsonl(path: str) -> Iterator[tuple[int, Any, str]]:
     """(line number, parsed row or None, parse error) for every non-blank line."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -92,7 +94,7 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, Any, str]]:
                 yield lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
-def _read_parquet(path: str) -> Iterator[tuple[int, Any, str]]:
+def read_parquet(path: str) -> Iterator[tuple[int, Any, str]]:
     """(row number from 1, row dict, "") for every Parquet row."""
     try:
         import pyarrow.parquet as pq
@@ -183,9 +185,9 @@ class PromptDataset:
             raise DatasetError(f"dataset file not found: {source}")
         ext = os.path.splitext(source)[1].lower()
         if ext in (".jsonl", ".json", ".ndjson"):
-            rows = _read_jsonl(source)
+            rows = read_jsonl(source)
         elif ext == ".parquet":
-            rows = _read_parquet(source)
+            rows = read_parquet(source)
         else:
             raise DatasetError(f"{source}: unknown dataset format '{ext}' (expected .jsonl or .parquet, or gym:<task>)")
         samples = []

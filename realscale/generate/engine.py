@@ -17,6 +17,12 @@ Pause modes follow SGLang's ``/pause_generation``:
 
 Every output token records the weight version that produced it; responses carry SGLang's
 ``meta_info["weight_versions"]`` spans (``[{"version", "start", "end"}]``).
+
+The forward passes go through a :class:`~realscale.generate.ranks.ServerRanks` (one rank or
+several, tensor-parallel; the engine does not know which): ``forward`` for prefill and
+decode, ``move_slot`` when a request leaves, ``call_all`` for anything every rank must
+run between forward passes (weight updates; see :meth:`Engine.call`). If the ranks fail,
+:meth:`Engine.fail` stops the scheduler and answers every request with an abort.
 """
 
 from __future__ import annotations
@@ -27,16 +33,28 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from realscale.generate.runner import KVRunner
 from realscale.generate.sampling import sample
+
+if TYPE_CHECKING:
+    from realscale.generate.ranks import ServerRanks
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def running_abort(message: str | None = None, status_code: int | None = None) -> dict[str, Any]:
+    """SGLang's finish reason of an aborted running request (``FINISH_ABORT.to_json``)."""
+    return {"type": "abort", "message": message or "Aborted", "status_code": status_code, "err_type": None}
+
+
+def waiting_abort() -> dict[str, Any]:
+    """SGLang's finish reason of a request aborted in the waiting queue, before it ran."""
+    return {"type": "abort", "message": "Abort in waiting queue"}
 
 
 @dataclasses.dataclass
@@ -78,17 +96,17 @@ class Request:
 
 
 class Engine:
-    """Owns the model, the KV slots and the scheduler thread."""
+    """Owns the request queues, the KV slot assignment and the scheduler thread; the
+    ranks (``runner``, with ``max_running`` KV slots of ``context_length``) do the math."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_running: int = 32, context_length: int = 2048,
+    def __init__(self, runner: "ServerRanks", tokenizer: Any, *, max_running: int = 32, context_length: int = 2048,
                  weight_version: str = "0", seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
-        self.model = model
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.max_running = max_running
         self.weight_version = weight_version
-        self.runner = KVRunner(model, max_running, context_length)
-        self.vocab_size = int(model.config.vocab_size)
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
         self.eos_token_ids = set(eos_token_ids or [])
         self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -97,6 +115,7 @@ class Engine:
         self._commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._wake = threading.Condition()
         self._stop = False
+        self.failure: str | None = None
         self.steps = 0
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="realscale-scheduler", daemon=True)
@@ -107,16 +126,22 @@ class Engine:
     def submit(self, req: Request) -> Future:
         """Queue ``req``; its future resolves to the finished :class:`Request`."""
         with self._wake:
-            self.waiting.append(req)
-            self._wake.notify()
+            if self.failure is None and not self._stop:
+                self.waiting.append(req)
+                self._wake.notify()
+                return req.future
+        self._resolve(req, running_abort(f"server failed: {self.failure or 'shutting down'}"))
         return req.future
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the scheduler thread between forward passes; returns its future."""
         fut: Future = Future()
         with self._wake:
-            self._commands.append((fn, fut))
-            self._wake.notify()
+            if not self._stop:
+                self._commands.append((fn, fut))
+                self._wake.notify()
+                return fut
+        fut.set_exception(RuntimeError(f"server failed: {self.failure or 'shutting down'}"))
         return fut
 
     def alive(self) -> bool:
@@ -128,6 +153,13 @@ class Engine:
             self._wake.notify()
         self._thread.join(timeout=10)
 
+    def fail(self, reason: str) -> None:
+        """The ranks failed: stop scheduling; every request is answered with an abort."""
+        with self._wake:
+            self.failure = reason
+            self._stop = True
+            self._wake.notify()
+
     # ------------------------------------------------------------------ commands (scheduler thread)
 
     def pause(self, mode: str) -> int:
@@ -136,7 +168,7 @@ class Engine:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         self.paused = mode
         if mode == "abort":
-            return self.abort(None, "paused for a weight update")
+            return self.abort(None)
         if mode == "retract":
             moved = list(self.running)
             self.running.clear()
@@ -149,37 +181,21 @@ class Engine:
     def resume(self) -> None:
         self.paused = None
 
-    def abort(self, rid: str | None, message: str = "aborted") -> int:
-        """Finish request ``rid`` (or all, if None) with an abort; returns how many."""
+    def abort(self, rid: str | None, message: str | None = None, status_code: int | None = None) -> int:
+        """Finish request ``rid`` (or all, if None) with an abort; returns how many. The
+        finish reasons are SGLang's: a running request's carries ``message`` (default
+        "Aborted") and ``status_code``; a waiting one's says it never ran."""
         count = 0
         for req in list(self.running):
             if rid is None or req.rid == rid:
-                self._finish_running(req, {"type": "abort", "message": message})
+                self._finish_running(req, running_abort(message, status_code))
                 count += 1
         for req in list(self.waiting):
             if rid is None or req.rid == rid:
                 self.waiting.remove(req)
-                self._resolve(req, {"type": "abort", "message": message})
+                self._resolve(req, waiting_abort())
                 count += 1
         return count
-
-    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> int:
-        """Copy HF-named tensors into the model; returns how many were loaded."""
-        # remove_duplicate=False: a tied lm_head.weight is addressable under both names.
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        bad = [n for n, _ in named if n not in params]
-        if bad:
-            raise KeyError(f"unknown parameter name(s): {', '.join(bad[:5])}")
-        for name, tensor in named:
-            p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(p.shape)}")
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].copy_(tensor)
-        if version is not None:
-            self.weight_version = str(version)
-        return len(named)
 
     def stats(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
@@ -209,7 +225,13 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001 - fail requests, keep serving
                 log.exception("scheduler step failed")
                 self.abort(None, f"internal error: {exc}")
-        self.abort(None, "server shutting down")
+        reason = f"server failed: {self.failure}" if self.failure else "server shutting down"
+        with self._wake:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            fut.set_exception(RuntimeError(reason))
+        self.abort(None, reason)
 
     def _step(self) -> None:
         with self._wake:
@@ -234,9 +256,9 @@ class Engine:
             ids[b, :len(s)] = torch.tensor(s)
         lengths = torch.tensor([len(s) for s in seqs])
         dev = self.runner.device
+        self.running.extend(reqs)  # before the forward: a failed step aborts them with the others
         logits = self.runner.forward(slot0, ids.to(dev), torch.zeros(len(reqs), dtype=torch.long, device=dev),
                                      (lengths - 1).to(dev))
-        self.running.extend(reqs)
         self._sample_and_advance(reqs, slot0, logits)
 
     def _decode(self, reqs: list[Request]) -> None:

@@ -15,10 +15,17 @@ protocol (every trainer rank calls it after the optimizer step, in the same orde
 
 Transports (how step 2 happens) are chosen by :func:`transport_for` from the config:
 
+- :class:`ReshardTransport` — the embedded servers: one *weight world* (every trainer
+  rank and every server rank, :mod:`realscale.parallel.weight_world`), and each step the
+  resharder moves each server rank exactly its Megatron-layout shard, straight from the
+  trainer ranks that hold it (no funnel through rank 0; on GPUs device to device).
 - :class:`BroadcastTransport` — SGLang's ``/update_weights_from_distributed``: HF-named
   full tensors gathered to trainer rank 0 and broadcast to every server rank.
+- :class:`VllmEngineTransport` — vLLM servers: vLLM's own trainer-side weight-transfer
+  engine (``nccl`` on GPUs, realscale's ``gloo`` on CPU: :mod:`realscale.generate.vllm_gloo`)
+  over every rank of every server.
 - :class:`DiskTransport` — an HF directory on shared storage, then
-  ``/update_weights_from_disk`` (the fallback; any server).
+  ``/update_weights_from_disk`` (vLLM: ``reload_weights``) (the fallback; any server).
 
 Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (the
 rollout controller's event loop and its HTTP client); the other ranks get ``None``.
@@ -95,6 +102,47 @@ class ServerControl:
         self.controller.resume()
 
 
+class ClientControl(ServerControl):
+    """A :class:`ServerControl` with no rollout controller: an
+    :class:`~realscale.generate.client.InferenceClient` on a loop thread of its own
+    (benchmarks and tests drive transports through it exactly as the trainer does)."""
+
+    def __init__(self, servers: list[ServerEndpoint], request_timeout: float = 600.0) -> None:
+        import asyncio
+        import threading
+
+        from realscale.generate.client import InferenceClient
+
+        self.servers = servers
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="client-control", daemon=True)
+        self.thread.start()
+        self.client = InferenceClient([s.url for s in servers], request_timeout=request_timeout)
+        asyncio.run_coroutine_threadsafe(self.client.start(), self.loop).result(60)
+
+    def submit(self, fn: Coro) -> "Future[Any]":
+        import asyncio
+
+        async def call() -> Any:
+            return await fn(self.client)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop)
+
+    def run(self, fn: Coro, timeout: float | None = 600.0) -> Any:
+        return self.submit(fn).result(timeout)
+
+    def pause(self, mode: str) -> None:
+        self.run(lambda c: c.pause(mode))
+
+    def resume(self, version: int) -> None:
+        self.run(lambda c: c.resume())
+
+    def close(self) -> None:
+        self.run(lambda c: c.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
 class WeightTransport(abc.ABC):
     """Moves the trainer's current weights into every server. Every trainer rank holds one
     and calls each method collectively; ``control`` is rank 0's :class:`ServerControl`,
@@ -126,15 +174,27 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
     return [int(x) for x in t.cpu().tolist()]
 
 
-class BroadcastTransport(WeightTransport):
-    """SGLang's protocol: rank 0 hosts a weight group with every server rank and
-    broadcasts HF-named full tensors, bucket by bucket (gathered from the trainer's shards
-    over TP and down the pipeline first)."""
+def flush_after_update(pause_mode: str) -> bool:
+    """Whether a weight update asks the servers to flush their cache. After an ``abort``
+    pause nothing holds KV and the prefix cache of the old weights must go; after
+    ``retract`` / ``in_place`` requests still wait or hold KV, and the pinned SGLang fails
+    an update whose flush it has to refuse (``flush_cache`` defaults to true there)."""
+    return pause_mode == "abort"
 
-    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights") -> None:
+
+class BroadcastTransport(WeightTransport):
+    """SGLang's protocol (the pinned version's, see :mod:`realscale.generate.weight_sync`):
+    rank 0 hosts a weight group of 1 + every rank of every server (server i's tp rank r at
+    ``rank_offset_i + r``) and, inside a begin/end update session, broadcasts HF-named full
+    tensors bucket by bucket (gathered from the trainer's shards over TP and down the
+    pipeline first); the version goes with the last bucket."""
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights",
+                 pause_mode: str = "abort") -> None:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
+        self.flush_cache = flush_after_update(pause_mode)
         self.sender: Any = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
@@ -144,10 +204,10 @@ class BroadcastTransport(WeightTransport):
         from realscale.launcher import advertise_host
         from realscale.parallel.spawn import free_port
 
-        ranks = sum(s.ranks for s in control.servers)
-        self.sender = WeightSender(advertise_host(), free_port(), world_size=ranks + 1,
+        ranks = {s.url: s.ranks for s in control.servers}
+        self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),
                                    group_name=self.group_name, backend=self.backend)
-        control.run(lambda c: c.init_weights_update_group(self.sender))
+        control.run(lambda c: c.init_weights_update_group(self.sender, ranks))
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
@@ -156,7 +216,8 @@ class BroadcastTransport(WeightTransport):
                 pass
             _sum_over_ranks([0, 0])
             return SyncStats()
-        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version))
+        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
+                                                      flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
@@ -168,14 +229,123 @@ class BroadcastTransport(WeightTransport):
             self.sender.close()
 
 
+class VllmEngineTransport(WeightTransport):
+    """vLLM's weight-transfer protocol, driven by vLLM's own trainer-side engine.
+
+    Every trainer rank builds the engine (``WeightTransferTrainerFactory.trainer_init``) and
+    calls ``send_weights`` each step: rank 0 hosts a group of 1 + every worker of every
+    server (server *i*'s workers join at ``1 + ranks of servers before it + their rank``)
+    and broadcasts HF-named full tensors; the other ranks replay the export (its gathers
+    are collectives). The control calls (init, start, update concurrently with the
+    broadcast, finish with the new version) go through
+    :class:`realscale.generate.vllm_dialect.VllmSyncClient`. ``engine_name`` is ``nccl`` on
+    GPUs and ``gloo`` on CPU: the same code path, only the group differs. A server that
+    stopped answering is retired by the client and the group rebuilt among the others
+    before the next round (a collective with a dead member never completes)."""
+
+    def __init__(self, engine_name: str, bucket_bytes: int = 64 << 20) -> None:
+        self.engine_name = engine_name
+        self.bucket_bytes = bucket_bytes
+        self.source: Any = None
+        self.client: Any = None
+        self.trainer_engine: Any = None
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        from realscale.generate.vllm_dialect import VllmSyncClient
+        from realscale.generate.vllm_plugin import register
+        from realscale.generate.vllm_source import MegatronWeightSource
+
+        register()
+        self.source = MegatronWeightSource(engine, self.bucket_bytes)
+        if control is not None:
+            self.client = VllmSyncClient(control, {s.url: s.ranks for s in control.servers})
+            self._open(control.run(lambda c: c.update_targets()))
+        else:
+            self.trainer_engine = self._trainer_init(rank=_rank(), world_size=0, port=0)
+
+    def _trainer_init(self, rank: int, world_size: int, port: int) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from realscale.launcher import advertise_host
+
+        info = _trainer_init_info(self.engine_name, rank=rank, master_address=advertise_host(),
+                                  master_port=port, world_size=world_size)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+
+    def _open(self, urls: list[str]) -> None:
+        """Rank 0: a new weight group among the servers at ``urls``."""
+        from realscale.parallel.spawn import free_port
+
+        self.client.members = list(urls)
+        self.trainer_engine = self._trainer_init(rank=0, world_size=self.client.world_size(urls),
+                                                 port=free_port())
+
+    def _regroup(self, urls: list[str]) -> None:
+        import logging
+
+        logging.getLogger(__name__).warning("vLLM weight group %s -> %s: rebuilding it", self.client.members, urls)
+        survivors = [u for u in self.client.members if u in urls]
+        self.client.members = survivors
+        try:
+            self.client.shutdown_weight_transfer_engine()
+        except Exception:  # noqa: BLE001 - a survivor that never joined has nothing to shut down
+            pass
+        self.trainer_engine.shutdown()
+        self._open(urls)
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        if control is not None:
+            urls = control.run(lambda c: c.update_targets())
+            if urls != self.client.members:
+                self._regroup(urls)
+            self.client.version = version
+        self.trainer_engine.send_weights()
+        if control is None:
+            _sum_over_ranks([0, 0])
+            return SyncStats()
+        receivers = self.client.world_size(self.client.members) - 1
+        delivered, bound = _sum_over_ranks([self.source.nbytes() * receivers,
+                                            engine.hf_weight_bytes() * len(self.client.members)])
+        return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def close(self) -> None:
+        if self.trainer_engine is not None:
+            self.trainer_engine.shutdown()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _trainer_init_info(engine_name: str, *, rank: int, master_address: str, master_port: int,
+                       world_size: int) -> Any:
+    """vLLM's trainer init info for ``engine_name`` (rank 0 is the sender)."""
+    if engine_name == "gloo":
+        from realscale.generate.vllm_gloo import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    if engine_name == "nccl":  # GPU only; not run on the CPU machine
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                   world_size=world_size, rank=rank)
+    raise ValueError(f"vLLM weight-transfer engine {engine_name!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+
+
 class DiskTransport(WeightTransport):
     """An HF directory per version under ``<run>/weights/``, loaded by every server.
-    Only the newest two versions are kept (a server may still be reading the previous
-    one when the next is written)."""
 
-    def __init__(self, out_dir: str, keep: int = 2) -> None:
+    Storage stays bounded: once every server has loaded version v (the update returned
+    success from each of them; a server that did not answer was retired and never loads
+    again), every older version is deleted. So at most two versions are on disk, and two
+    only while the newer one is being written and loaded."""
+
+    def __init__(self, out_dir: str, pause_mode: str = "abort") -> None:
         self.root = os.path.join(out_dir, "weights")
-        self.keep = keep
+        self.flush_cache = flush_after_update(pause_mode)
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -185,17 +355,22 @@ class DiskTransport(WeightTransport):
         engine.save_hf(path)
         written = 0
         if control is not None:
-            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version))
+            control.run(lambda c: c.update_weights_from_disk(path, weight_version=version,
+                                                             flush_cache=self.flush_cache))
             written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-            self._prune(version)
+            self.prune_before(version)
         return SyncStats(bytes=written, lower_bound=written)
 
-    def _prune(self, version: int) -> None:
+    def prune_before(self, version: int) -> list[str]:
+        """Delete every version older than ``version`` (all servers hold ``version``)."""
         import shutil
 
+        deleted = []
         for name in os.listdir(self.root):
-            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= version - self.keep:
+            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                deleted.append(name)
+        return deleted
 
 
 class WeightPublisher:
@@ -225,10 +400,153 @@ class WeightPublisher:
         self.transport.close()
 
 
+class ReshardTransport(WeightTransport):
+    """The resharder over the weight world (trainer ranks ``[0, T)`` + server ranks).
+
+    Each ``send``: (1) rank 0 asks which servers are alive (a dead one is retired); on the
+    first step, or when that set changed, it hosts a new world's store (OS-picked port),
+    has every server check the world (``/realscale/join_weight_world`` with
+    ``check_only``), and every trainer rank learns the world
+    (:class:`~realscale.parallel.weight_world.WorldSpec`); then the servers join over HTTP
+    (every server rank at ``rank_offset + tp_rank``) while every trainer rank joins, and
+    all compute the same plan from the two layouts. (2) Each trainer rank packs its
+    Megatron shards into its flat source buffer. (3) Rank 0 asks the servers to receive
+    (``/realscale/update_weights_reshard``) while every trainer rank sends its part. A
+    server carries the new version only once all its ranks have every byte; ``bytes``
+    is what the server ranks report receiving.
+    """
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, timeout_s: float = 600.0) -> None:
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.member: Any = None  # realscale.parallel.weight_world.WorldMember
+        self.members: list[str] = []  # server URLs of the current world, in rank order
+        self.spec: Any = None
+        self.src_buf: Any = None
+        self.store: Any = None  # rank 0: the weight world's TCPStore
+        self.rebuilds = 0
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        from realscale.parallel.model_spec import spec_from_hf_config
+
+        itemsize = engine.config.params_dtype.itemsize
+        self.spec = spec_from_hf_config(engine.hf_config, itemsize=itemsize)
+        _check_megatron_order(engine)
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        import torch.distributed as dist
+
+        from realscale.models.convert import local_params
+        from realscale.parallel.weight_world import pack_megatron
+
+        world = self._agree_on_world(engine, control)
+        if world is not None:
+            self._join(world, control)
+        src, _ = self.member.world.layouts()
+        pack_megatron(local_params(engine.model), self.spec, src, dist.get_rank(), self.src_buf)
+        pending = None
+        if control is not None:
+            body = {"name": self.member.world.name, "weight_version": str(version)}
+            pending = control.submit(lambda c: c.post_each("/realscale/update_weights_reshard",
+                                                           {u: body for u in self.members}))
+        self.member.send(self.src_buf)
+        if pending is None:
+            return SyncStats()
+        replies = pending.result(timeout=self.timeout_s)
+        delivered = sum(sum(r["recv_bytes"]) for r in replies.values())
+        return SyncStats(bytes=delivered, lower_bound=self.member.lower_bound_bytes(),
+                         extra={"perf/weight_sync_rebuilds": float(self.rebuilds)})
+
+    def _agree_on_world(self, engine: "MegatronEngine", control: ServerControl | None) -> Any:
+        """Rank 0 decides whether the servers of the world changed (first step, or a server
+        died); every trainer rank gets the new world, or None when nothing changed."""
+        import torch.distributed as dist
+
+        from realscale.parallel.weight_world import WorldSpec, host_store, spec_digest
+
+        holder: list[Any] = [None]
+        if control is not None:
+            alive = control.run(lambda c: c.weight_targets())
+            if self.member is None or alive != self.members:
+                from realscale.launcher import advertise_host
+
+                ranks = {s.url: s.ranks for s in control.servers}
+                r = engine.ranks
+                self.rebuilds += self.member is not None
+                n = r.dp * r.tp * r.pp + sum(ranks[u] for u in alive)
+                self.store = host_store(advertise_host(), n, self.timeout_s)
+                world = WorldSpec(advertise_host(), self.store.port, f"realscale-weights-{self.rebuilds}",
+                                  self.backend, f"d{r.dp}t{r.tp}p{r.pp}", [ranks[u] for u in alive],
+                                  str(engine.config.params_dtype).removeprefix("torch."), spec_digest(self.spec),
+                                  self.bucket_bytes, self.timeout_s)
+                # every server validates the world first: a mismatch is an error, not a hang
+                control.run(lambda c: c.post_each("/realscale/join_weight_world", _join_bodies(world, alive, True)))
+                holder[0] = (alive, world)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        if holder[0] is None:
+            return None
+        self.members = list(holder[0][0])
+        return holder[0][1]
+
+    def _join(self, world: Any, control: ServerControl | None) -> None:
+        """Leave the old world; rank 0 asks every server to join the new one while every
+        trainer rank joins it (building the group blocks until all have)."""
+        import torch.distributed as dist
+
+        from realscale.parallel.device import comm_empty
+        from realscale.parallel.weight_world import WorldMember
+
+        if self.member is not None:
+            self.member.close()
+        pending = None
+        if control is not None:
+            bodies = _join_bodies(world, self.members, False)
+            pending = control.submit(lambda c: c.post_each("/realscale/join_weight_world", bodies))
+        try:
+            self.member = WorldMember(world, dist.get_rank(), self.spec, self.store if control is not None else None)
+        finally:
+            if pending is not None:
+                pending.result(timeout=self.timeout_s)  # a server's refusal surfaces here
+        n = self.member.resharder.src_idx.numel
+        self.src_buf = comm_empty(n, self.member.dtype, world.backend)
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+
+
+def _join_bodies(world: Any, urls: list[str], check_only: bool) -> dict[str, dict[str, Any]]:
+    """``/realscale/join_weight_world`` bodies: server i joins at its rank offset."""
+    return {u: {"world": world.to_json(), "rank_offset": world.server_offset(i), "check_only": check_only}
+            for i, u in enumerate(urls)}
+
+
+def _check_megatron_order(engine: "MegatronEngine") -> None:
+    """The weight world numbers trainer ranks in Megatron's order (tp fastest, then dp,
+    then pp): the global rank must be that, or the plan would read the wrong shards."""
+    import torch.distributed as dist
+
+    r = engine.ranks
+    expected = r.pp_rank * r.tp * r.dp + r.dp_rank * r.tp + r.tp_rank
+    if dist.get_rank() != expected:
+        raise RuntimeError(f"trainer rank {dist.get_rank()} is (dp={r.dp_rank}, tp={r.tp_rank}, pp={r.pp_rank}), "
+                           f"which Megatron's tp-dp-pp order numbers {expected}; the weight world needs that order")
+
+
 def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
-    """The transport ``generate.weight_update`` names."""
+    """The transport ``generate.weight_update`` names: disk, or ``distributed`` = the
+    reshard transport for embedded servers, vLLM's engine for vLLM, SGLang's broadcast for SGLang."""
     from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
-        return DiskTransport(out_dir)
-    return BroadcastTransport(backend(cfg.parallel.backend))
+        return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
+    if cfg.generate.backend == "embedded":
+        return ReshardTransport(backend(cfg.parallel.backend))
+    if cfg.generate.backend == "vllm":
+        from realscale.generate.vllm_server import weight_engine
+
+        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
+    return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

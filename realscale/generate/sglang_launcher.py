@@ -1,9 +1,11 @@
 """Start real SGLang servers on GPUs (``generate.backend = sglang``).
 
-GPU-only: written against SGLang's ``python -m sglang.launch_server`` options but NOT run
-on the CPU machine this project is developed on (no CUDA, SGLang not installed); its
-tests carry the ``gpu`` marker. The command line is built by a pure function
-(:func:`sglang_command`) so that part is checked everywhere.
+GPU-only: written against the pinned SGLang's ``python -m sglang.launch_server`` options
+(``sglang_reference.PINNED``; a contract test checks every option against its source) but
+NOT run on the CPU machine this project is developed on (no CUDA, SGLang not installed);
+its tests carry the ``gpu`` marker. The command line is built by a pure function
+(:func:`sglang_command`) so that part is checked everywhere. Before any server starts,
+:func:`check_sglang_version` refuses an installed SGLang outside ``SUPPORTED``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,36 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+from realscale.generate.sglang_reference import PINNED, SUPPORTED
+from realscale.launcher.local import LaunchError
+
+
+class SGLangVersionError(LaunchError):
+    """The installed SGLang is missing or outside the supported range."""
+
+
+def check_sglang_version(installed: str | None = None) -> str:
+    """The installed SGLang's version (or ``installed``) if it is in ``SUPPORTED``;
+    otherwise :class:`SGLangVersionError` with a one-line message."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    fix = f"pip install 'sglang{SUPPORTED}' (realscale speaks SGLang {PINNED}'s protocol)"
+    if installed is None:
+        try:
+            installed = metadata.version("sglang")
+        except metadata.PackageNotFoundError:
+            raise SGLangVersionError(f"generate.backend=sglang but SGLang is not installed: {fix}") from None
+    try:
+        ok = SpecifierSet(SUPPORTED).contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise SGLangVersionError(f"SGLang {installed} is installed; realscale supports sglang{SUPPORTED}: {fix}")
+    return installed
 
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", *, tp: int = 1,
@@ -56,6 +88,7 @@ def launch_sglang(cfg: Any, model_path: str, gpu_ids: list[list[int]], log_dir: 
     ``cfg`` is the ``generate`` config section. Each server's stdout/stderr go to
     ``log_dir/sglang_<i>.log``.
     """
+    check_sglang_version()
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i, gpus in enumerate(gpu_ids):

@@ -1,21 +1,30 @@
-"""Weight transport from trainer to generation servers over torch.distributed.
+"""Weight transport from trainer to generation servers over torch.distributed, as SGLang does it.
 
-The protocol is SGLang's: the trainer is rank 0 of a *separate* process group ("weight
-update group") that every server joins at ``rank_offset + local_rank`` after a POST to
-``/init_weights_update_group`` (``master_address``, ``master_port``, ``rank_offset``,
-``world_size``, ``group_name``, ``backend``). For each bucket of HF-named full tensors the
-trainer POSTs ``/update_weights_from_distributed`` with ``names``/``dtypes``/``shapes``
-and broadcasts the tensors from rank 0, one ``broadcast`` per tensor in ``names`` order
-(what SGLang's receiver expects). gloo on CPU, NCCL on GPU.
+The protocol is the pinned SGLang's (``sglang_reference.PINNED``; the contract tests run
+SGLang's own receiver code against this sender). The trainer is rank 0 of a *separate*
+process group, the "weight update group"; a server with ``tp`` ranks joins it after a
+POST to ``/init_weights_update_group`` (``master_address``, ``master_port``,
+``rank_offset``, ``world_size``, ``group_name``, ``backend``): its tensor-parallel rank
+``r`` joins as ``rank_offset + r``, so the world is 1 sender + every rank of every
+server. An update is a session: ``/begin_weight_update``, then per bucket of HF-named
+full tensors a POST to ``/update_weights_from_distributed`` (``names``/``dtypes``/
+``shapes``) while rank 0 broadcasts the tensors, one ``broadcast`` per name in order
+(every server rank receives every tensor whole and loads its own shard of it), then
+``/end_weight_update``. gloo on CPU, NCCL on GPU.
 
-The group is built directly from a ``TCPStore`` (``ProcessGroupGloo`` /
-``ProcessGroupNCCL``), never through ``init_process_group``: the trainer already has a
-default group (its Megatron world) and the server may have one too.
+The group is built the way SGLang's ``init_custom_process_group`` builds it, so both sides
+meet at the same store keys: a TCP rendezvous (``tcp://addr:port``; rank 0 hosts the
+TCPStore), a ``PrefixStore(group_name)`` over it, and torch's
+``_new_process_group_helper`` (which adds ``{group_name}/`` and ``{device}/`` prefixes of
+its own), never ``init_process_group``: the trainer already has a default group (its
+Megatron world) and so has every SGLang server. The one departure: SGLang waits for the
+rendezvous for torch's default 30 minutes; here the caller bounds it (``timeout_s``).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any, Iterable
 
 import torch
@@ -39,21 +48,52 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def _tcp_url(host: str, port: int) -> str:
+    """``tcp://host:port`` (an IPv6 host in brackets), as SGLang's ``NetworkAddress.to_tcp``."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
               backend: str, timeout_s: float = 120.0) -> Any:
-    """Join (rank 0: host) a process group that leaves any default group alone.
+    """Join (rank 0: host) the weight-update group exactly as SGLang's receiver creates it.
 
-    Blocks until all ``world_size`` ranks have joined.
+    Blocks until all ``world_size`` ranks have joined. ``group_name`` must be unused in
+    this process (torch keeps one registry of group names); :func:`destroy_group` frees it.
     """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: {backend!r} is not one of 'gloo', 'nccl'")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                                       timeout=timeout)
-    store = torch.distributed.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":  # GPU only; not run on the CPU test machine
-        return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
-    raise ValueError(f"backend: {backend!r} is not one of 'gloo', 'nccl'")
+    store, rank, world_size = next(rendezvous(_tcp_url(master_address, master_port), rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         backend_options=None, timeout=timeout, device_id=None)
+    # collectives address the group by global rank: make global rank i group rank i
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_group(group: Any) -> None:
+    """Release a group from :func:`new_group` and its name (as SGLang's destroy does)."""
+    torch.distributed.destroy_process_group(group)
+
+
+FLATTENED = "flattened_bucket"  # SGLang's load_format: a bucket's tensors as one byte buffer
+
+
+def flat_offsets(dtypes: list[str], shapes: list[list[int]]) -> list[int]:
+    """Byte offsets of a flattened bucket's tensors, and its size last. Each tensor starts
+    at a multiple of its element size, as SGLang's receiver requires (else ValueError)."""
+    offsets = [0]
+    for dt, shape in zip(dtypes, shapes):
+        size = parse_dtype(dt).itemsize
+        if offsets[-1] % size:
+            raise ValueError(f"flattened bucket: a {dt} tensor at byte offset {offsets[-1]} is not aligned")
+        offsets.append(offsets[-1] + math.prod(shape) * size)
+    return offsets
 
 
 def bucket_meta(bucket: Bucket) -> dict[str, list[Any]]:
@@ -66,13 +106,16 @@ class WeightSender:
     """Trainer side (rank 0): host the group, then broadcast buckets to all servers."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", backend: str = "gloo", device: str = "cpu") -> None:
+                 group_name: str = "weight_update_group", backend: str = "gloo", device: str | None = None) -> None:
+        from realscale.parallel.device import comm_device
+
         self.master_address = master_address
         self.master_port = master_port
         self.world_size = world_size
         self.group_name = group_name
         self.backend = backend
-        self.device = torch.device(device)
+        # every bucket enters the broadcast where the backend needs it (NCCL: this GPU)
+        self.device = torch.device(device) if device is not None else comm_device(backend)
         self.group: Any = None
 
     def init_request(self, rank_offset: int) -> dict[str, Any]:
@@ -86,27 +129,35 @@ class WeightSender:
         self.group = new_group(self.master_address, self.master_port, 0, self.world_size, self.group_name,
                                self.backend, timeout_s)
 
-    def broadcast_bucket(self, bucket: Bucket) -> int:
-        """Send every tensor of ``bucket`` (in order); returns the bytes sent."""
+    def broadcast_bucket(self, bucket: Bucket, load_format: str | None = None) -> int:
+        """Send every tensor of ``bucket`` (in order), or with ``load_format =
+        "flattened_bucket"`` all of them as one byte buffer; returns the bytes sent."""
         if self.group is None:
             raise RuntimeError("WeightSender.connect() was not called")
-        sent = 0
-        for _, tensor in bucket:
-            t = tensor.detach().to(self.device).contiguous()
+        if load_format == FLATTENED:
+            flat_offsets([dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
+            tensors = [torch.cat([t.detach().to(self.device).contiguous().flatten().view(torch.uint8)
+                                  for _, t in bucket])]
+        elif load_format is None:
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        else:
+            raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED!r}")
+        for t in tensors:
             self.group.broadcast(t, 0).wait()
-            sent += t.numel() * t.element_size()
-        return sent
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def reopen(self, world_size: int) -> None:
         """Drop the group and host a new one of ``world_size`` ranks on a fresh free port
         (after a server left: the next :meth:`connect` waits for the remaining ones)."""
         from realscale.parallel.spawn import free_port
 
-        self.group = None
+        self.close()
         self.world_size = world_size
         self.master_port = free_port(self.master_address)
 
     def close(self) -> None:
+        if self.group is not None:
+            destroy_group(self.group)
         self.group = None
 
 
@@ -124,15 +175,29 @@ class WeightReceiver:
                                              timeout_s), device)
 
     def destroy_group(self, group_name: str) -> None:
-        if self.groups.pop(group_name, None) is None:
+        entry = self.groups.pop(group_name, None)
+        if entry is None:
             raise ValueError(f"no weight update group named {group_name!r}")
+        destroy_group(entry[0])
+
+    def close(self) -> None:
+        """Destroy every group (a server shutting down frees the group names)."""
+        for name in list(self.groups):
+            self.destroy_group(name)
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                group_name: str) -> Bucket:
-        """Receive one bucket broadcast from rank 0, in ``names`` order."""
+                group_name: str, load_format: str | None = None) -> Bucket:
+        """Receive one bucket broadcast from rank 0, in ``names`` order (one broadcast per
+        tensor, or one byte buffer with ``load_format = "flattened_bucket"``)."""
         if group_name not in self.groups:
             raise ValueError(f"no weight update group named {group_name!r}; call /init_weights_update_group first")
         group, device = self.groups[group_name]
+        if load_format == FLATTENED:
+            offsets = flat_offsets(dtypes, shapes)
+            flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+            group.broadcast(flat, 0).wait()
+            return [(name, flat[start:end].view(parse_dtype(dt)).reshape(shape))
+                    for name, dt, shape, start, end in zip(names, dtypes, shapes, offsets, offsets[1:])]
         out: Bucket = []
         for name, dt, shape in zip(names, dtypes, shapes):
             t = torch.empty(shape, dtype=parse_dtype(dt), device=device)

@@ -47,10 +47,15 @@ class ServerProc:
 
 
 def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
-                  max_running: int = 32, context_length: int = 2048, seed: int = 0,
-                  timeout: float = 180.0) -> list[ServerProc]:
-    """``num`` embedded generation servers (``realscale serve``), each on a free port,
-    logging to ``log_dir/server<i>.log``; returns once every one answers /health."""
+                  max_running: int = 32, context_length: int = 2048, seed: int = 0, tp: int = 1,
+                  timeout: float = 180.0, first_gpu: int | None = None) -> list[ServerProc]:
+    """``num`` embedded generation servers (``realscale serve``) of ``tp`` ranks each (one
+    torch thread per rank unless ``threads``), each on a free port, logging to
+    ``log_dir/server<i>.log``; returns once every one answers /health. ``first_gpu``: on a
+    GPU machine, server i's ranks use GPUs ``first_gpu + i*tp`` onwards
+    (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
+    from realscale.parallel.device import devices_of_server
+
     os.makedirs(log_dir, exist_ok=True)
     servers = []
     for i in range(num):
@@ -59,9 +64,15 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
         cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
                "--threads", str(threads), "--max-running", str(max_running), "--context-length",
                str(context_length), "--seed", str(seed + i)]
+        if tp > 1:
+            cmd += ["--tp", str(tp)]
+        env = dict(os.environ)
+        if first_gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices_of_server(first_gpu + i * tp, tp)
+            cmd += ["--device", "cuda"]
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, env=env)
         servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
     try:
         for s in servers:
@@ -72,12 +83,51 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     return servers
 
 
-def wait_healthy(server: ServerProc, timeout: float) -> None:
+def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0, dtype: str = "float32",
+                       timeout: float = 900.0) -> list[ServerProc]:
+    """``gen.num_servers`` vLLM servers (:mod:`realscale.generate.vllm_server`), each on a
+    free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
+    every one answers /health within ``timeout`` seconds, else a one-line
+    :class:`LaunchError` naming the failed server's log."""
+    from realscale.generate.vllm_server import check_model, require_vllm
+
+    try:
+        require_vllm()
+        check_model(model_dir)
+    except (RuntimeError, ValueError) as exc:
+        raise LaunchError(str(exc)) from None
+    os.makedirs(log_dir, exist_ok=True)
+    servers = [spawn_vllm_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype)
+               for i in range(gen.num_servers)]
+    try:
+        for s in servers:
+            wait_healthy(s, timeout, what="vLLM server")
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def spawn_vllm_server(model_dir: str, gen: Any, log_path: str, *, seed: int = 0,
+                      dtype: str = "float32") -> ServerProc:
+    """Start one vLLM server process (not waiting for it). Dies with this process — with
+    the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
+    the server."""
+    from realscale.generate.vllm_server import vllm_command, vllm_env
+
+    port = free_port(gen.host)
+    log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed, dtype=dtype), env=vllm_env(gen),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    return ServerProc(f"http://{gen.host}:{port}", proc, log_path)
+
+
+def wait_healthy(server: ServerProc, timeout: float, what: str = "generation server") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise LaunchError(f"generation server {server.url} exited with code {server.proc.returncode}; "
-                              f"see {server.log_path}")
+            raise LaunchError(f"{what} {server.url} exited with code {server.proc.returncode} before it was "
+                              f"ready; see {server.log_path}")
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -85,11 +135,13 @@ def wait_healthy(server: ServerProc, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.25)
-    raise LaunchError(f"generation server {server.url} not healthy after {timeout:.0f} s; see {server.log_path}")
+    raise LaunchError(f"{what} {server.url} not healthy after {timeout:.0f} s; see {server.log_path}")
 
 
 def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
-    """SIGTERM each server's process group, then SIGKILL what is left."""
+    """SIGTERM each server's process group, then SIGKILL what is left of it: also children
+    that outlive their leader (vLLM's engine-core and worker processes can miss a SIGTERM
+    under load and would be orphaned, holding memory)."""
     for s in servers:
         if s.proc.poll() is None:
             try:
@@ -101,11 +153,22 @@ def stop_servers(servers: list[ServerProc], grace: float = 5.0) -> None:
         try:
             s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            s.proc.wait()
+            pass
+        while _group_alive(s.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # the group keeps the leader's id after it exits
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple) -> None:
@@ -175,18 +238,39 @@ class LocalBackend:
         self.ranks = RankGroup()
 
     def prepare(self) -> None:
+        """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`)."""
+        from realscale.config import ConfigError
+        from realscale.planner.validate import check_capacity, local_slots
+
+        if self.cfg.parallel.plan:
+            slots, unit, gpus = local_slots()
+            try:
+                check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
+            except ConfigError as exc:
+                raise LaunchError(str(exc)) from None
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+        from realscale.parallel.device import cuda_usable
+
         g = self.cfg.generate
+        if g.backend == "vllm":
+            self.servers = start_vllm_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
+                                              dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout)
+            return [s.url for s in self.servers]
+        # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
+        first_gpu = self.cfg.parallel.world_size if cuda_usable() and g.backend == "embedded" else None
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,
-                                     max_running=g.max_running_requests)
+                                     max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
         return [s.url for s in self.servers]
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
-        # each embedded server runs one torch thread (start_servers' default)
-        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=len(self.servers)))
+        # each embedded server rank runs one torch thread (start_servers' default); each vLLM
+        # server rank generate.cpu_threads
+        g = self.cfg.generate
+        busy = len(self.servers) * g.tp * (g.cpu_threads if g.backend == "vllm" else 1)
+        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
 
     def wait(self) -> int:
         return self.ranks.wait()

@@ -48,7 +48,7 @@ def problem_for(cfg: Any) -> Any:
                         max_staleness=cfg.rollout.max_staleness, sequence_parallel=cfg.parallel.sequence_parallel,
                         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
     return Problem(model_spec_for(cfg), Cluster(cfg.launch.nodes, cfg.launch.gpus_per_node), get_gpu(cfg.launch.gpu),
-                   workload, default_roles(ref=cfg.algo.kl_coef > 0))
+                   workload, default_roles(ref=cfg.algo.kl_coef > 0, critic=cfg.algo.adv_estimator == "gae"))
 
 
 def split_meshes(nodes: int, gpus_per_node: int, gen_fraction: float) -> tuple[Mesh, Mesh]:

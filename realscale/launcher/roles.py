@@ -5,7 +5,7 @@
   spec.
 - :func:`generation_server`: one generation server (task i of the server step): bind a
   free port on this node, write ``<url_dir>/<i>.url``, serve (embedded server, or exec
-  SGLang on GPUs).
+  SGLang on GPUs, or exec vLLM: vLLM-CPU or vLLM on GPUs).
 - ``python -m realscale.launcher.roles shared-check FILE NONCE``: the shared-storage
   probe (no torch import: it runs on every node).
 """
@@ -72,25 +72,26 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     seed = int(spec.config["run"]["seed"]) + index
     if gen["backend"] == "sglang":
         return _exec_sglang(spec, gen, index, seed)
+    if gen["backend"] == "vllm":
+        return _exec_vllm(spec, gen, index, seed)
     import torch
 
-    from aiohttp import web
+    from realscale.generate.server import EmbeddedServer, serve
 
-    from realscale.generate.server import EmbeddedServer
-
-    torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    tp = int(gen.get("tp", 1))  # ranks of this server: this task's process and tp - 1 it spawns
+    threads = max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) // tp)
+    torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
-                            context_length=int(gen["context_length"]), seed=seed)
+                            context_length=int(gen["context_length"]), seed=seed, tp=tp, threads=threads)
     # bind port 0: the kernel picks a port free on this node, no race with other jobs
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((gen["host"], 0))
     url = f"http://{_advertised_host(gen['host'])}:{sock.getsockname()[1]}"
     _publish(spec.url_dir, index, url)
-    print(f"realscale server {index}: {spec.model_dir} on {url}", flush=True)
-    web.run_app(server.app(), sock=sock, print=None, handle_signals=True, access_log=None)
-    return 0
+    print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s))", flush=True)
+    return serve(server, sock=sock)
 
 
 def _publish(url_dir: str, index: int, url: str) -> None:
@@ -104,9 +105,10 @@ def _publish(url_dir: str, index: int, url: str) -> None:
 def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
     """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
     free on this node now (a small race with other processes of the node)."""
-    from realscale.generate.sglang_launcher import sglang_command
+    from realscale.generate.sglang_launcher import check_sglang_version, sglang_command
     from realscale.launcher.dist_env import _free_port
 
+    check_sglang_version()
     port = _free_port()
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
     cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
@@ -115,6 +117,30 @@ def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     _publish(spec.url_dir, index, f"http://{_advertised_host(gen['host'])}:{port}")
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
+    """vLLM (CPU or GPU) the way SGLang is started: a port free on this node now, the URL
+    published, then exec (the supervisor waits for /health as for any server)."""
+    import torch
+
+    from realscale.config import GenerateConfig
+    from realscale.generate.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+    from realscale.launcher.dist_env import _free_port
+
+    require_vllm()
+    g = GenerateConfig(**gen)
+    on_gpu = torch.cuda.is_available()
+    check_model(spec.model_dir, on_gpu)
+    port = _free_port()
+    env = vllm_env(g, on_gpu=on_gpu)
+    if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
+        env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp))
+    cmd = vllm_command(spec.model_dir, port, g, seed=seed, on_gpu=on_gpu, dtype=spec.config["model"]["dtype"])
+    _publish(spec.url_dir, index, f"http://{_advertised_host(g.host)}:{port}")
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached
 
 

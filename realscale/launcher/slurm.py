@@ -88,11 +88,22 @@ def _mesh_nodes(start: int, size: int, gpus_per_node: int, nodes: list[str]) -> 
     return nodes[first:last + 1]
 
 
-def placement(cfg: Any, nodes: list[str]) -> Placement:
+def allocation_slots(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -> tuple[int, str, bool]:
+    """(slots, unit, gpus) of the job: nodes x GPUs per node, or on CPU jobs the CPUs
+    Slurm gave the job on each node (``SLURM_CPUS_ON_NODE``) times its nodes."""
+    if cfg.launch.gpus_per_node:
+        return len(nodes) * cfg.launch.gpus_per_node, f"GPUs in the job ({len(nodes)} nodes)", True
+    per_node = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    return len(nodes) * per_node, f"CPUs in the job ({len(nodes)} nodes)", False
+
+
+def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -> Placement:
     """Place servers and ranks on the job's nodes: from the plan on GPU jobs, everywhere
-    (servers first) on CPU jobs."""
+    (servers first) on CPU jobs. A plan must fit the allocation (the rule of
+    :mod:`realscale.planner.validate`, the same as the local backend's)."""
     world = cfg.parallel.world_size
     if cfg.launch.gpus_per_node == 0:
+        _check_fits(cfg, nodes, env)
         return Placement(nodes, cfg.generate.num_servers, 0, nodes, world, 0)
     if not cfg.parallel.plan:
         raise LaunchError("a GPU job (launch.gpus_per_node > 0) needs parallel.plan: render one with "
@@ -108,13 +119,27 @@ def placement(cfg: Any, nodes: list[str]) -> Placement:
         if plan.cluster.nodes > len(nodes):
             raise _too_few_nodes(plan.cluster.nodes, nodes)
     gen, train = plan.roles["actor_gen"], plan.roles["actor_train"]
-    if gen.strategy.pp != 1:
-        raise LaunchError(f"{cfg.parallel.plan}: actor_gen {gen.strategy} uses pipeline stages; servers are dp x tp")
     if train.strategy.world != world:
         raise LaunchError(f"{cfg.parallel.plan}: actor_train has {train.strategy.world} GPUs but parallel "
                           f"dp*tp*pp = {world}")
-    return Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, gpn, nodes), gen.strategy.dp, gen.strategy.tp,
-                     _mesh_nodes(train.mesh.start, train.mesh.size, gpn, nodes), world, 1)
+    place = Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, gpn, nodes), gen.strategy.dp, gen.strategy.tp,
+                      _mesh_nodes(train.mesh.start, train.mesh.size, gpn, nodes), world, 1)
+    _check_fits(cfg, nodes, env)
+    return place
+
+
+def _check_fits(cfg: Any, nodes: list[str], env: Mapping[str, str]) -> None:
+    """A plan's ranks must fit the allocation (the rule of realscale.planner.validate)."""
+    if not cfg.parallel.plan:
+        return
+    from realscale.config import ConfigError
+    from realscale.planner.validate import check_capacity
+
+    slots, unit, gpus = allocation_slots(cfg, nodes, env)
+    try:
+        check_capacity(cfg, slots, unit, "parallel.plan", gpus)
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- srun

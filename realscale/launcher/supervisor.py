@@ -26,7 +26,7 @@ from realscale.launcher import LaunchError, backend_for, clear_stop, request_sto
 from realscale.metrics import plot_run, summary_text
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
-from realscale.train.checkpoint import checkpoint_name, latest_checkpoint
+from realscale.train.checkpoint import checkpoint_name, disk_usage, latest_checkpoint
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -53,6 +53,10 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     out_dir = run_dir(cfg)
     os.makedirs(out_dir, exist_ok=True)
     try:
+        if cfg.generate.backend == "sglang":  # refuse an unsupported SGLang before anything starts
+            from realscale.generate.sglang_launcher import check_sglang_version
+
+            check_sglang_version()
         backend = backend_for(cfg, out_dir)
         backend.prepare()  # under Slurm: is the run directory on storage every node shares?
     except LaunchError as exc:
@@ -70,7 +74,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
         with open(start_path, encoding="utf-8") as fh:
             acc_start = json.load(fh)
     else:
-        acc_start = evaluate_heldout(cfg, model_dir)
+        acc_start = evaluate_heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
         with open(start_path, "w", encoding="utf-8") as fh:
             json.dump(acc_start, fh)
     previous = signal.getsignal(signal.SIGTERM)
@@ -103,15 +107,23 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     hist_path = os.path.join(out_dir, "staleness_hist.json")
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
     extra = {"total time": f"{time.time() - t0:.0f} s"}
-    for kind in ("greedy", "sampled"):
-        extra[f"held-out accuracy ({kind})"] = (f"{_pct(acc_start and acc_start[kind])} -> "
-                                                f"{_pct(acc_end and acc_end[kind])}")
+    disk = disk_usage(out_dir)
+    extra["disk use"] = (f"{_size(disk['disk/run_bytes'])} (checkpoints {_size(disk['disk/checkpoints_bytes'])}, "
+                         f"weight versions {_size(disk['disk/weights_bytes'])}; {_size(disk['disk/free_bytes'])} free)")
+    for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
+        if kind.startswith("tool_use_"):
+            continue
+        label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
+        extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
+        if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
+            extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
+                                                          f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
     if acc_end is not None:
         from realscale.metrics import MetricsLogger
 
         log = MetricsLogger(out_dir, 0, progress=False)
         record = {f"eval/{k}": v for k, v in acc_end.items()}
-        record["eval/accuracy"] = acc_end["greedy"]
+        record["eval/accuracy"] = acc_end.get("greedy", next(iter(acc_end.values())))
         record.update({f"eval/start_{k}": v for k, v in (acc_start or {}).items()})
         log.log(cfg.run.total_steps, record)
         log.close()
@@ -119,7 +131,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     print(summary_text(out_dir, extra))
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
-                   "staleness_hist": hist}, fh, indent=1)
+                   "staleness_hist": hist, "disk": disk}, fh, indent=1)
     return 0
 
 
@@ -133,20 +145,25 @@ def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
     return 0
 
 
+def _size(n: float) -> str:
+    """Bytes as people read them (MiB below a GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, float] | None:
-    """Export the last checkpoint to HF and evaluate it on the held-out split."""
+    """Export the last checkpoint to HF (``<run>/final``) and evaluate it on the held-out split."""
     ckpt = latest_checkpoint(out_dir)
-    if ckpt is None or not cfg.data.source.startswith("task:"):
+    if ckpt is None:
         return None
     from realscale.parallel.spawn import run_distributed
 
     run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
                     prepare_policy_model(cfg, out_dir), timeout=1200)
-    return evaluate_heldout(cfg, final_dir)
+    return evaluate_heldout(cfg, final_dir, os.path.join(out_dir, "eval_final"))
 
 
 def _export_final(cfg_dict: dict[str, Any], ckpt: str, final_dir: str, model_dir: str) -> None:

@@ -23,6 +23,7 @@ Megatron layouts handled here (megatron-core 0.16 GPT, local or TE spec):
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -90,6 +91,13 @@ def _hf_names(rule: Rule, layer: int | None, arch: ModelArch) -> tuple[str, ...]
     if rule.kind == "vocab" and names == ("lm_head.weight",) and arch.tie_embeddings:
         return ("model.embed_tokens.weight",)
     return names
+
+
+def hf_sources(name: str, arch: ModelArch) -> tuple[str, tuple[str, ...]]:
+    """``(kind, HF names)`` of megatron parameter ``name`` (global layer indices): what
+    :func:`hf_to_megatron` needs to build it. A tied output layer names the embedding."""
+    rule, layer = match(name)
+    return rule.kind, _hf_names(rule, layer, arch)
 
 
 # --------------------------------------------------------------------------- pure converters
@@ -266,8 +274,9 @@ def _param_plan(arch: ModelArch, pp: int) -> list[tuple[str, int]]:
     return plan
 
 
-def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's parameters renamed to global layer indices and local-spec names."""
+def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's parameters renamed to global layer indices and local-spec names (the
+    names of :mod:`realscale.parallel.model_spec`)."""
     out = {}
     for name, param in model.named_parameters():
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
@@ -296,7 +305,9 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
     (collectives inside), the others receive nothing."""
     import torch.distributed as dist
 
-    local = _local_params(model)
+    from realscale.parallel.device import comm_empty, group_backend, to_comm
+
+    local = local_params(model)
     tied_done = False
     for name, stage in _param_plan(arch, pp):
         rule, layer = match(name)
@@ -304,9 +315,14 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
         if stage == groups.pp_rank:
             full = _tp_gather(rule.kind, local[name].detach(), groups.tp_group)
         if pp > 1 and groups.is_sender_column:
-            # the stage that owns the tensor sends it down the pipeline column to stage 0
+            # the stage that owns the tensor sends it down the pipeline column to stage 0;
+            # both ends' tensors on the device the group's backend needs (NCCL: this GPU)
+            backend = group_backend(groups.pp_group)
             if full is None:
-                full = torch.empty(_full_shape(name, arch, model), dtype=_dtype(local))
+                full = comm_empty(math.prod(_full_shape(name, arch, model)), _dtype(local),
+                                  backend).view(_full_shape(name, arch, model))
+            else:
+                full = to_comm(full, backend)
             if stage != 0:
                 dist.broadcast(full, src=groups.pp_ranks[stage], group=groups.pp_group)
         if groups.pp_rank != 0 or not groups.is_sender_column:

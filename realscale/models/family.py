@@ -68,10 +68,16 @@ class ModelArch:
     def qkv_rows(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def padded_vocab(self, tp: int, multiple: int = 64) -> int:
-        """Megatron shards the vocabulary evenly over TP: pad to a multiple of tp*multiple.
-        Padded rows are never sampled: log-probs mask them, export strips them."""
-        unit = tp * multiple
+    def padded_vocab(self, tp: int, multiple: int = 128) -> int:
+        """Megatron shards the vocabulary evenly over TP; we pad to a multiple of
+        ``lcm(multiple, tp)``, which for every tp dividing 128 is the same size whatever
+        the tp (``realscale.parallel.model_spec.pad_vocab``): the trainer's and every
+        generation server's full embedding agree, so the resharder moves rows between any
+        two tp degrees, and checkpoints keep their shape across layouts. Padded rows are
+        never sampled: log-probs mask them, export strips them."""
+        import math
+
+        unit = math.lcm(multiple, tp)
         return (self.vocab_size + unit - 1) // unit * unit
 
     def num_params(self) -> int:

@@ -80,7 +80,7 @@ def layer_spec(arch: ModelArch, use_te: bool | None = None) -> Any:
 
 
 def build_gpt(arch: ModelArch, config: Any, *, pre_process: bool, post_process: bool,
-              use_te: bool | None = None, vocab_multiple: int = 64) -> Any:
+              use_te: bool | None = None, vocab_multiple: int = 128) -> Any:
     """One pipeline stage of the model (``pre_process``: holds the embedding;
     ``post_process``: holds the final norm and output layer)."""
     from megatron.core.models.gpt import GPTModel

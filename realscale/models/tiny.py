@@ -6,10 +6,18 @@ seeded random weights, and a tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json``, byte-level: one token per ASCII character) that
 ``AutoTokenizer.from_pretrained`` loads offline.
 
+Weights are initialised the way the HF families initialise their own models
+(``PreTrainedModel._init_weights``: linear and embedding weights normal(0,
+``initializer_range`` = 0.02), norms 1, biases 0). An untrained model therefore samples
+nearly uniformly at temperature 1, as a real untrained model does. (An earlier build drew
+the embedding with std 1: with Qwen's tied output layer the logit of the last input
+token then dwarfed all others, and the model repeated it with log-prob 0.)
+
 :func:`resolve_model_path` turns a built-in name (``tiny-qwen2``, ``tiny-qwen3``,
 ``tiny-llama``, ``small-qwen2``) into such a directory, built once into a cache
-(``$REALSCALE_CACHE/models/<name>``, default ``~/.cache/realscale/models/<name>``); an
-existing directory is returned unchanged.
+(``$REALSCALE_CACHE/models/<name>.v<format>``, default ``~/.cache/realscale/models/...``;
+the build format is in the name so that checkouts of different versions sharing a cache
+never replace each other's copy); an existing directory is returned unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import os
 import shutil
 import tempfile
 from typing import Any
+
+from realscale.errors import UserError
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -45,7 +55,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
 }
 
 # Bump when the built files change in a way a cached copy must not survive.
-_BUILD_FORMAT = 2
+_BUILD_FORMAT = 3
+
+
+class ModelNotFoundError(UserError):
+    """A model path that is neither a built-in name nor an HF model directory."""
 
 
 def byte_alphabet() -> list[str]:
@@ -141,11 +155,7 @@ def build_tiny_model(out_dir: str, family: str = "qwen2", hidden_size: int = 64,
     config = make_config(family, _round_up(len(tok), 8), hidden_size, num_layers, num_heads, num_kv_heads,
                          intermediate_size, tie_embeddings, tok.eos_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # The default init (std 0.02) makes every token nearly equally likely; a wider
-    # embedding gives sampled text some structure, which makes tests more telling.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # the family's own init
     model.save_pretrained(out_dir, safe_serialization=True)
     model.generation_config.save_pretrained(out_dir)
     return out_dir
@@ -155,6 +165,11 @@ def cache_root() -> str:
     """Where built-in models are cached: ``$REALSCALE_CACHE/models`` or ``~/.cache/realscale/models``."""
     base = os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
     return os.path.join(base, "models")
+
+
+def builtin_cache_dir(name: str) -> str:
+    """The cached directory of built-in model ``name`` in the current build format."""
+    return os.path.join(cache_root(), f"{name}.v{_BUILD_FORMAT}")
 
 
 def _spec_stamp(name: str) -> dict[str, Any]:
@@ -198,7 +213,7 @@ def resolve_model_path(name_or_path: str) -> str:
     race discards its copy).
     """
     if name_or_path in BUILTIN:
-        target = os.path.join(cache_root(), name_or_path)
+        target = builtin_cache_dir(name_or_path)
         if _is_complete(target, name_or_path):
             return target
         def build(tmp: str) -> None:
@@ -207,9 +222,15 @@ def resolve_model_path(name_or_path: str) -> str:
                 json.dump(_spec_stamp(name_or_path), fh)
 
         return build_atomically(target, build, lambda path: _is_complete(path, name_or_path))
+    if name_or_path == "smollm2-135m":  # a real pretrained model, from a PyPI package (realscale/models/gguf.py)
+        from realscale.models.gguf import smollm2_dir
+
+        return smollm2_dir()
     if os.path.isdir(name_or_path):
         if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise ValueError(f"model directory {name_or_path!r} has no config.json")
+            raise ModelNotFoundError(f"model directory {name_or_path!r} has no config.json: put the HF model's "
+                                     "files there (config.json, *.safetensors, tokenizer)")
         return name_or_path
-    raise ValueError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
-                     f"({', '.join(BUILTIN)})")
+    raise ModelNotFoundError(f"model {name_or_path!r} is neither an existing directory nor a built-in model "
+                             f"({', '.join(BUILTIN)}, smollm2-135m): download the HF model to that path (e.g. "
+                             "huggingface-cli download <repo> --local-dir <path>) or set model.path")

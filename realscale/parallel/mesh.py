@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from realscale.errors import UserError
 
-class LayoutError(ValueError):
+
+class LayoutError(UserError):
     """A mesh, strategy or layout that cannot be used; the message says why."""
 
 

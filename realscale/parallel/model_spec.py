@@ -127,7 +127,9 @@ class ModelSpec:
 
 def pad_vocab(vocab: int, multiple: int = 128) -> int:
     """Megatron pads the vocabulary so every tp shard is equal; we pad once to a fixed
-    multiple (128 covers tp up to 128) so the full tensor does not depend on tp."""
+    multiple (128 covers every tp dividing 128) so the full tensor does not depend on tp.
+    The trainer's Megatron model pads the same way (``ModelArch.padded_vocab``: a multiple
+    of ``lcm(128, tp)``), so trainer and server shards are slices of one full tensor."""
     return -(-vocab // multiple) * multiple
 
 

@@ -11,16 +11,23 @@ Deadlock freedom: all ranks derive the same ordered list of messages from the pl
 post their own messages in that order, waiting only on messages they have posted. The
 lowest unfinished message then always has every participant posted or about to post it,
 so the exchange always progresses. Messages to one receiver are ``isend``/``irecv``;
-messages to several are a ``broadcast`` on a process group made once per distinct
-(sender, receivers) set (every rank of the default group must build the
-:class:`Resharder`, because ``new_group`` is collective).
+messages to several are a ``broadcast`` on a sub-group made once per distinct
+(sender, receivers) set.
+
+Which process group: a :class:`Comm`. By default (:class:`DefaultComm`) torch's default
+group, whose sub-groups come from ``new_group`` (collective: every rank of the default
+group must build the :class:`Resharder`); in the running system the weight world
+(:class:`realscale.parallel.weight_world.StoreGroup`: trainer and server ranks in a group
+built from a store, sub-groups made by their members only). Buffers live where the
+group's backend needs them (:func:`realscale.parallel.device.comm_device`): on GPUs every
+byte goes device to device, with no host staging.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +69,45 @@ def unpack_shard(spec: ModelSpec, idx: ShardIndex, buf: torch.Tensor) -> dict[st
             n *= d
         out[t.name] = buf[off:off + n].view(shape)
     return out
+
+
+class Comm(Protocol):
+    """The process group a :class:`Resharder` runs on (ranks are this group's ranks)."""
+
+    rank: int
+    backend: str
+
+    def prepare(self, member_sets: list[tuple[int, ...]]) -> None:
+        """Make the broadcast sub-groups (called once, by every rank, with the same sets)."""
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Any: ...
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Any: ...
+
+    def broadcast(self, buf: torch.Tensor, root: int, members: tuple[int, ...]) -> Any: ...
+
+
+class DefaultComm:
+    """torch.distributed's default group; sub-groups from ``new_group`` (collective)."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.backend = str(dist.get_backend())
+        self.groups: dict[tuple[int, ...], Any] = {}
+
+    def prepare(self, member_sets: list[tuple[int, ...]]) -> None:
+        for members in sorted(set(member_sets)):
+            if members not in self.groups:
+                self.groups[members] = dist.new_group(list(members))
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Any:
+        return dist.isend(buf, peer)
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Any:
+        return dist.irecv(buf, peer)
+
+    def broadcast(self, buf: torch.Tensor, root: int, members: tuple[int, ...]) -> Any:
+        return dist.broadcast(buf, src=root, group=self.groups[members], async_op=True)
 
 
 @dataclass
@@ -112,32 +158,40 @@ class ReshardStats:
 class Resharder:
     """Runs one plan, as often as needed (every RL step), on this process's GPU.
 
-    Build it on **every** rank of the default process group (group creation is collective).
+    Build it on every rank of ``comm`` (default: torch's default group), because making
+    the broadcast sub-groups is collective.
     """
 
     def __init__(self, plan: ReshardPlan, gpu: int | None = None, rank_of: Callable[[int], int] | None = None,
                  bucket_bytes: int = 64 << 20, max_inflight_bytes: int = 256 << 20,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str | None = None, comm: Comm | None = None) -> None:
+        from realscale.parallel.device import comm_device
+
         self.plan = plan
+        self.comm = comm if comm is not None else DefaultComm()
         self.rank_of = rank_of or (lambda g: g)
-        self.rank = dist.get_rank()
+        self.rank = self.comm.rank
         self.gpu = self.rank if gpu is None else gpu
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else comm_device(self.comm.backend)
         self.bucket_elems = max(1, bucket_bytes // plan.spec.itemsize)
         self.max_inflight = max_inflight_bytes
         self.src_idx = shard_index(plan.spec, plan.src, self.gpu)
         self.dst_idx = shard_index(plan.spec, plan.dst, self.gpu)
         self.messages = _messages(plan, self.bucket_elems)
-        self.groups: dict[tuple[int, ...], object] = {}
-        for ranks in sorted({tuple(sorted(self.rank_of(g) for g in (m.sender, *m.receivers)))
-                             for m in self.messages if len(m.receivers) > 1}):
-            self.groups[ranks] = dist.new_group(list(ranks))
+        self.comm.prepare([self._members(m) for m in self.messages if len(m.receivers) > 1])
 
-    def _group(self, m: _Message) -> object:
-        return self.groups[tuple(sorted(self.rank_of(g) for g in (m.sender, *m.receivers)))]
+    def _members(self, m: _Message) -> tuple[int, ...]:
+        return tuple(sorted(self.rank_of(g) for g in (m.sender, *m.receivers)))
 
-    def run(self, src_buf: torch.Tensor | None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, ReshardStats]:
-        """This GPU's destination buffer (None if not in the destination mesh) and stats."""
+    def sent_to(self) -> int:
+        """Elements this GPU delivers per run, counted once per receiving GPU."""
+        return sum(m.numel * len(m.receivers) for m in self.messages if m.sender == self.gpu)
+
+    def run(self, src_buf: torch.Tensor | None, dtype: torch.dtype | None = None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ReshardStats]:
+        """This GPU's destination buffer (None if not in the destination mesh) and stats.
+        ``out``: write into this buffer (a server's live weights) instead of a new one;
+        only the elements the plan delivers or copies locally are written."""
         t0 = time.perf_counter()
         spec, stats = self.plan.spec, ReshardStats()
         if (src_buf is None) != (self.src_idx is None):
@@ -150,7 +204,7 @@ class Resharder:
             if src_buf is None:
                 raise LayoutError(f"gpu {self.gpu}: pass dtype= on GPUs outside the source mesh")
             dtype = src_buf.dtype
-        dst_buf = None if self.dst_idx is None else torch.empty(self.dst_idx.numel, dtype=dtype, device=self.device)
+        dst_buf = None if self.dst_idx is None else self._dst_buffer(out, dtype)
         self._local_copies(src_buf, dst_buf, stats)
         pending: list[tuple[object, torch.Tensor, _Message | None]] = []
         inflight = 0
@@ -174,11 +228,20 @@ class Resharder:
         stats.seconds = time.perf_counter() - t0
         return dst_buf, stats
 
+    def _dst_buffer(self, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        n = self.dst_idx.numel  # type: ignore[union-attr]
+        if out is None:
+            return torch.empty(n, dtype=dtype, device=self.device)
+        if out.dim() != 1 or out.numel() != n or out.dtype != dtype or out.device != self.device:
+            raise LayoutError(f"gpu {self.gpu}: destination buffer is {out.dtype} [{out.numel()}] on {out.device}; "
+                              f"the plan needs {dtype} [{n}] on {self.device}")
+        return out
+
     def _post(self, m: _Message, buf: torch.Tensor, sending: bool) -> object:
         if len(m.receivers) == 1:
             peer = self.rank_of(m.receivers[0] if sending else m.sender)
-            return dist.isend(buf, peer) if sending else dist.irecv(buf, peer)
-        return dist.broadcast(buf, src=self.rank_of(m.sender), group=self._group(m), async_op=True)
+            return self.comm.isend(buf, peer) if sending else self.comm.irecv(buf, peer)
+        return self.comm.broadcast(buf, self.rank_of(m.sender), self._members(m))
 
     def _drain(self, pending: list, dst_buf: torch.Tensor | None, stats: ReshardStats) -> None:
         for work, buf, m in pending:

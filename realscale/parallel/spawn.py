@@ -50,50 +50,74 @@ def _worker(rank: int, world_size: int, port: int, backend: str, env: dict[str, 
         conn.close()
 
 
+class DistributedJob:
+    """N spawned ranks running ``fn(*args)``; :meth:`wait` collects their results, and
+    :meth:`kill` ends them (another job they talk to failed)."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                 env: dict[str, str] | None = None) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world_size = world_size
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            # Not daemonic: ranks may start processes of their own (megatron's checkpoint
+            # writer does); wait()/kill() end any rank still alive.
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, backend, dict(env or {}), fn, args,
+                                                     child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def wait(self, timeout: float = 300.0) -> list[Any]:
+        """Every rank's result, in rank order; a rank that fails, dies or outlives
+        ``timeout`` raises :class:`DistributedError` and every rank is ended."""
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        try:
+            while pending:
+                if time.monotonic() > deadline:
+                    raise DistributedError(f"ranks {sorted(pending)} of {self.world_size} did not finish within "
+                                           f"{timeout:.0f} s")
+                for rank in sorted(pending):
+                    conn = self.conns[rank]
+                    if conn.poll(0.05):
+                        try:
+                            status, payload = conn.recv()
+                        except EOFError:
+                            raise DistributedError(f"rank {rank} died (exit code {self.procs[rank].exitcode})") from None
+                        if status == "error":
+                            raise DistributedError(f"rank {rank} of {self.world_size} failed:\n{payload}")
+                        results[rank] = pickle.loads(payload)
+                        pending.discard(rank)
+                    elif not self.procs[rank].is_alive() and not conn.poll(0):
+                        raise DistributedError(f"rank {rank} died (exit code {self.procs[rank].exitcode}) "
+                                               "without a result")
+        finally:
+            self._end(grace=5 if not pending else 0)
+        return results
+
+    def kill(self) -> None:
+        self._end(grace=0)
+
+    def _end(self, grace: float) -> None:
+        for proc in self.procs:
+            proc.join(timeout=grace)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
                     backend: str = "gloo", env: dict[str, str] | None = None) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``, each in its own process.
 
     ``fn`` must be importable (a module-level function) because ranks are spawned.
     """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        # Not daemonic: ranks may start processes of their own (megatron's checkpoint
-        # writer does); the finally block below kills any rank still alive.
-        proc = ctx.Process(target=_worker, args=(rank, world_size, port, backend, dict(env or {}), fn, args, child))
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-    results: list[Any] = [None] * world_size
-    pending = set(range(world_size))
-    deadline = time.monotonic() + timeout
-    try:
-        while pending:
-            if time.monotonic() > deadline:
-                raise DistributedError(f"ranks {sorted(pending)} of {world_size} did not finish within {timeout:.0f} s")
-            for rank in sorted(pending):
-                conn = conns[rank]
-                if conn.poll(0.05):
-                    try:
-                        status, payload = conn.recv()
-                    except EOFError:
-                        raise DistributedError(f"rank {rank} died (exit code {procs[rank].exitcode})") from None
-                    if status == "error":
-                        raise DistributedError(f"rank {rank} of {world_size} failed:\n{payload}")
-                    results[rank] = pickle.loads(payload)
-                    pending.discard(rank)
-                elif not procs[rank].is_alive() and not conn.poll(0):
-                    raise DistributedError(f"rank {rank} died (exit code {procs[rank].exitcode}) without a result")
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if not pending else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return results
+    return DistributedJob(fn, world_size, *args, backend=backend, env=env).wait(timeout)

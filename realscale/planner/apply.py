@@ -1,9 +1,19 @@
 """A plan becomes a run: the roles of a plan YAML set the layouts the runtime uses.
 
 ``parallel.plan`` names a plan (``realscale plan ... --out plan.yaml``); :func:`apply_plan`
-copies its ``actor_train`` strategy into ``parallel.dp/tp/pp``. It runs in the supervisor
-before any process starts, so a plan the runtime cannot execute is refused with a
-one-line :class:`~realscale.config.ConfigError`.
+places every role the runtime runs:
+
+- ``actor_train`` -> ``parallel.dp / tp / pp`` (the Megatron trainer ranks);
+- ``actor_gen`` -> ``generate.num_servers`` (its dp) and ``generate.tp`` (ranks per
+  server; its pp must be 1);
+- ``critic_train`` (PPO with GAE) trains beside the actor (same ranks, same layout), so a
+  plan that puts it elsewhere is refused rather than silently ignored.
+
+It runs in the supervisor before any process starts, so a plan the runtime cannot
+execute (:mod:`realscale.planner.validate`) is refused with a one-line
+:class:`~realscale.config.ConfigError`; whether the ranks fit the machine or the Slurm
+allocation is checked by the launcher's backend (``prepare`` / ``placement``) through
+:func:`realscale.planner.validate.check_capacity`.
 """
 
 from __future__ import annotations
@@ -12,24 +22,44 @@ import os
 from typing import TYPE_CHECKING
 
 from realscale.config import ConfigError
+from realscale.parallel.mesh import LayoutError
 
 if TYPE_CHECKING:
     from realscale.config import Config
+    from realscale.planner.plan import Plan
+
+
+def load_plan(cfg: "Config") -> "Plan":
+    """The plan ``parallel.plan`` names, or a one-line ConfigError."""
+    from realscale.planner.plan import Plan
+
+    import yaml
+
+    path = cfg.parallel.plan
+    if not os.path.exists(path):
+        raise ConfigError(f"parallel.plan: file not found: {path}")
+    try:
+        return Plan.load(path)
+    except (LayoutError, KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"parallel.plan: {path}: {exc}") from None
 
 
 def apply_plan(cfg: "Config") -> "Config":
-    """``parallel.plan`` set: take the trainer's (dp, tp, pp) from the plan's actor_train role."""
+    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp) and the
+    servers' count and tp from it."""
     if not cfg.parallel.plan:
         return cfg
-    from realscale.planner.plan import Plan
+    from realscale.planner.validate import check_plan, policy_spec
 
-    if not os.path.exists(cfg.parallel.plan):
-        raise ConfigError(f"parallel.plan: file not found: {cfg.parallel.plan}")
-    plan = Plan.load(cfg.parallel.plan)
-    if "actor_train" not in plan.roles:
-        raise ConfigError(f"parallel.plan: {cfg.parallel.plan} has no actor_train role (roles: {', '.join(plan.roles)})")
-    s = plan.roles["actor_train"].strategy
+    plan = load_plan(cfg)
+    try:
+        spec = policy_spec(cfg)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel.plan: the policy model: {exc}") from None
+    check_plan(plan, spec, f"parallel.plan {cfg.parallel.plan}")
+    s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
+    cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
     if cfg.parallel.sequence_parallel and s.tp == 1:
         cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
     return cfg

@@ -26,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from realscale.errors import UserError
 
-class HardwareError(ValueError):
+
+class HardwareError(UserError):
     """An unknown GPU name or a malformed profile."""
 
 
@@ -47,6 +49,11 @@ PROFILES: dict[str, GPU] = {
     "H800": GPU("H800", 989.0, 80.0, 3.35, 200.0, 50.0),
     "H100": GPU("H100", 989.0, 80.0, 3.35, 450.0, 50.0),
     "H200": GPU("H200", 989.0, 141.0, 4.8, 450.0, 50.0),
+    # One CPU core as a "GPU": plans for a CPU machine (a 1-node "cluster" of N cores,
+    # `realscale plan --nodes 1 --gpus-per-node N --gpu cpu`). Rough assumptions for a
+    # recent x86 core (fp32 AVX2, a share of DRAM bandwidth, shared-memory gloo), not
+    # measurements; on one machine only the ranking of layouts matters.
+    "cpu": GPU("cpu", 0.1, 8.0, 0.01, 5.0, 1.0, 5.0),
 }
 
 
@@ -109,6 +116,13 @@ GPU_SOURCES: dict[str, dict[str, Source]] = {
              "nvlink_gbps": Source("published", f"{_NV} H200 SXM: NVLink 4, 900 GB/s both directions"),
              "ib_gbps": Source("published", "DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s, one per GPU"),
              "pcie_gbps": Source("assumed", "as H100")},
+    # main's "cpu" entry: placement on a CPU machine, where only the ranking of layouts
+    # matters. A measured CPU profile comes from `realscale profile` instead.
+    "cpu": {k: Source("assumed", f"one recent x86 core as a planner 'GPU' ({why}); not measured: "
+                                 "`realscale profile` measures this machine")
+            for k, why in (("peak_tflops", "fp32 AVX2"), ("hbm_gb", "a share of host RAM"),
+                           ("hbm_tbps", "a share of DRAM bandwidth"), ("nvlink_gbps", "shared-memory gloo"),
+                           ("ib_gbps", "gloo over TCP"), ("pcie_gbps", "no device copy"))},
 }
 EFFICIENCY_SOURCES: dict[str, Source] = {
     "mfu_train": Source("assumed", "Megatron-LM dense GPT training reaches 40-55% MFU on H100 (NVIDIA Megatron-LM "

@@ -1,22 +1,37 @@
-"""The code reward: 1 when the candidate program passes all its tests in the sandbox, else 0.
+"""The code reward: 1 when the candidate passes all its tests, judged outside the sandbox.
 
-The program that runs is the candidate code followed by the test code (for HumanEval: the
-prompt plus completion, then ``test`` and ``check(entry_point)``); it passes when it exits
-with status 0 before the timeout. Runs go through :func:`realscale.reward.sandbox.run_python`
-on a bounded thread pool (each thread only waits on its subprocess).
+The completion's last fenced code block (or the whole completion) is the candidate
+program; the sample's tests take one of three forms (:mod:`realscale.reward.code_tests`):
+stdin/stdout cases compared by this process, function calls whose plain-data return values
+this process compares, or trusted test code (HumanEval's ``check``) run by a judge process
+that calls into the candidate. The candidate's exit status, its objects and its view of the
+tests never decide the score. Runs go through :mod:`realscale.reward.sandbox` on a bounded
+thread pool (each thread only waits on its run).
+
+A sandbox missing a layer of isolation refuses the run (0, reason ``sandbox``) unless
+``allow_weaker`` (``reward.code_sandbox_allow_weaker``) is set: then the run goes ahead,
+a warning names the missing layers once, and :meth:`CodeReward.stats` counts the weakened
+runs (``sandbox_weakened``). A program never runs as root either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from realscale.reward.result import ERROR, NO_ANSWER, OK, REASONS, TIMEOUT, TOO_LONG, RewardResult
-from realscale.reward.sandbox import Isolation, RunResult, SandboxLimits, probe_isolation, run_python
+from realscale.reward import plain
+from realscale.reward.code_tests import (CallTests, CheckTests, CodeTests, StdioTests, answer_matches, parse_tests,
+                                         stdout_matches)
+from realscale.reward.result import ERROR, NO_ANSWER, OK, REASONS, SANDBOX, TIMEOUT, TOO_LONG, RewardResult
+from realscale.reward.sandbox import (UID_BASE, Isolation, RunResult, Sandbox, SandboxLimits, SandboxRefused,
+                                      ServerOutcome, shared_sandbox)
 
+log = logging.getLogger(__name__)
 _FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.S)
 
 
@@ -30,38 +45,46 @@ class CodeReward:
     """Score programs against tests in the sandbox, ``concurrency`` at a time."""
 
     def __init__(self, concurrency: int = 4, timeout: float = 10.0, memory_mb: int = 1024,
-                 max_chars: int = 100_000, nproc: int = 16) -> None:
+                 max_chars: int = 100_000, nproc: int = 16, disk_mb: int = 64, allow_weaker: bool = False,
+                 python: str | None = None, uid_base: int = UID_BASE) -> None:
         for name, value in (("concurrency", concurrency), ("timeout", timeout), ("memory_mb", memory_mb),
-                            ("max_chars", max_chars), ("nproc", nproc)):
+                            ("max_chars", max_chars), ("nproc", nproc), ("disk_mb", disk_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CodeReward: {name} must be a positive number, got {value!r}")
-        self.limits = SandboxLimits(timeout=float(timeout), memory_mb=int(memory_mb), nproc=int(nproc))
+        self.limits = SandboxLimits(timeout=float(timeout), memory_mb=int(memory_mb), nproc=int(nproc),
+                                    disk_mb=int(disk_mb))
         self.max_chars = int(max_chars)
-        self.isolation: Isolation = probe_isolation()
+        self.allow_weaker = bool(allow_weaker)
+        self.sandbox: Sandbox = shared_sandbox(python or None, uid_base)
+        self.isolation: Isolation = self.sandbox.probe()
         self._executor = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="code-reward")
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+        self._warned = False
 
     @classmethod
     def from_config(cls, cfg: "object") -> "CodeReward":
         """Build from a :class:`realscale.config.RewardConfig`."""
         return cls(concurrency=cfg.code_concurrency, timeout=cfg.timeout,  # type: ignore[attr-defined]
-                   memory_mb=cfg.code_memory_mb)  # type: ignore[attr-defined]
+                   memory_mb=cfg.code_memory_mb, disk_mb=cfg.code_disk_mb,  # type: ignore[attr-defined]
+                   allow_weaker=cfg.code_sandbox_allow_weaker,  # type: ignore[attr-defined]
+                   python=cfg.code_python or None, uid_base=cfg.code_uid_base)  # type: ignore[attr-defined]
 
-    async def score(self, completion: str, tests: str) -> RewardResult:
+    async def score(self, completion: str, tests: object) -> RewardResult:
         """Score one completion without blocking the event loop."""
         return await asyncio.wrap_future(self._submit(completion, tests))
 
-    def score_batch(self, pairs: list[tuple[str, str]]) -> list[RewardResult]:
+    def score_batch(self, pairs: list[tuple[str, object]]) -> list[RewardResult]:
         """Score ``(completion, tests)`` pairs concurrently; blocks until all are done."""
         futures = [self._submit(*self._check_pair(i, p)) for i, p in enumerate(pairs)]
         return [f.result() for f in futures]
 
     def stats(self) -> dict[str, int]:
-        """Runs so far by reason, plus ``passed``."""
+        """Runs so far by reason, plus ``passed`` and ``sandbox_weakened``."""
         with self._lock:
             out = {reason: self._counts.get(reason, 0) for reason in REASONS}
             out["passed"] = self._counts.get("passed", 0)
+            out["sandbox_weakened"] = self._counts.get("sandbox_weakened", 0)
         return out
 
     def close(self) -> None:
@@ -76,19 +99,20 @@ class CodeReward:
     # ---------------------------------------------------------------- internals
 
     @staticmethod
-    def _check_pair(i: int, pair: object) -> tuple[str, str]:
+    def _check_pair(i: int, pair: object) -> tuple[str, object]:
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise TypeError(f"CodeReward: item {i} must be a (completion, tests) tuple, got {type(pair).__name__}")
-        for name, value in zip(("completion", "tests"), pair):
-            if not isinstance(value, str):
-                raise TypeError(f"CodeReward: item {i}: {name} must be str, got {type(value).__name__}")
+        if not isinstance(pair[0], str):
+            raise TypeError(f"CodeReward: item {i}: completion must be str, got {type(pair[0]).__name__}")
+        if not isinstance(pair[1], (str, list, dict)):
+            raise TypeError(f"CodeReward: item {i}: tests must be str, list or dict, got {type(pair[1]).__name__}")
         return pair  # type: ignore[return-value]
 
-    def _submit(self, completion: str, tests: str) -> Future:
+    def _submit(self, completion: str, tests: object) -> Future:
         self._check_pair(0, (completion, tests))
         return self._executor.submit(self._score_sync, completion, tests)
 
-    def _score_sync(self, completion: str, tests: str) -> RewardResult:
+    def _score_sync(self, completion: str, tests: object) -> RewardResult:
         result = self._judge(completion, tests)
         with self._lock:
             self._counts[result.reason] += 1
@@ -96,26 +120,121 @@ class CodeReward:
                 self._counts["passed"] += 1
         return result
 
-    def _judge(self, completion: str, tests: str) -> RewardResult:
+    def _layers(self) -> dict[str, bool]:
+        layers = self.sandbox.layers_for(self.allow_weaker)  # SandboxRefused when not allowed
+        if not self.isolation.full:
+            with self._lock:
+                self._counts["sandbox_weakened"] += 1
+                warn, self._warned = not self._warned, True
+            if warn:
+                log.warning("code reward: running WITHOUT a full sandbox (reward.code_sandbox_allow_weaker=true): "
+                            "missing %s", self.isolation.describe())
+        return layers
+
+    def _judge(self, completion: str, tests: object) -> RewardResult:
         code = extract_code(completion)
         if not code.strip():
             return RewardResult(0.0, NO_ANSWER, "no code in the completion")
-        program = code + "\n\n" + tests + "\n"
-        if len(program) > self.max_chars:
-            return RewardResult(0.0, TOO_LONG, f"program has {len(program)} chars > {self.max_chars}")
+        if len(code) > self.max_chars:
+            return RewardResult(0.0, TOO_LONG, f"program has {len(code)} chars > {self.max_chars}")
         try:
-            run = run_python(program, self.limits)
+            form = parse_tests(tests)
+        except ValueError as exc:
+            return RewardResult(0.0, ERROR, str(exc)[:300])
+        try:
+            layers = self._layers()
+            return self._run(code, form, layers)
+        except SandboxRefused as exc:
+            return RewardResult(0.0, SANDBOX, str(exc)[:300])
         except Exception as exc:  # noqa: BLE001 - a sandbox failure scores 0 with its reason
-            return RewardResult(0.0, ERROR, f"{type(exc).__name__}: {exc}")
-        return _verdict(run)
+            return RewardResult(0.0, ERROR, f"{type(exc).__name__}: {exc}"[:300])
+
+    def _run(self, code: str, form: CodeTests, layers: dict[str, bool]) -> RewardResult:
+        if isinstance(form, StdioTests):
+            return self._stdio(code, form, layers)
+        if isinstance(form, CallTests):
+            return self._calls(code, form, layers)
+        outcome = self.sandbox.run_check(code, form.test, form.entry_point, form.prelude, form.names, self.limits,
+                                         layers)
+        return _check_verdict(outcome)
+
+    def _stdio(self, code: str, form: StdioTests, layers: dict[str, bool]) -> RewardResult:
+        def judge(i: int, run: RunResult) -> bool:
+            return _case_passed(run) and stdout_matches(run.stdout, form.outputs[i])
+
+        runs = self.sandbox.run_stdio(code, form.inputs, self.limits, layers, judge)
+        for i, run in enumerate(runs):
+            if not judge(i, run):
+                return _process_verdict(f"case {i}", run) or RewardResult(0.0, OK, f"case {i}: wrong output")
+        if len(runs) < len(form.inputs):
+            return RewardResult(0.0, ERROR, f"the sandbox ran {len(runs)} of {len(form.inputs)} cases")
+        return RewardResult(1.0, OK, f"passed {len(runs)} cases")
+
+    def _calls(self, code: str, form: CallTests, layers: dict[str, bool]) -> RewardResult:
+        failures: list[str] = []
+
+        def judge(i: int, line: str | None) -> bool:
+            why = _answer_failure(line, form.expected[i], form.lenient)
+            if why:
+                failures.append(f"call {i}: {why}")
+            return not why
+
+        calls = [(plain.to_json(args), plain.to_json(kwargs)) for args, kwargs in form.calls]
+        outcome = self.sandbox.run_calls(code, form.fn, calls, self.limits, layers, judge)
+        run = outcome.run
+        if run.setup_failed:
+            return RewardResult(0.0, SANDBOX, f"sandbox set-up failed: {run.setup_error}"[:300])
+        if not failures and not outcome.load_error and len(outcome.answers) == len(calls):
+            return RewardResult(1.0, OK, f"passed {len(calls)} calls")
+        why = (f"to load: {outcome.load_error}" if outcome.load_error else failures[0] if failures
+               else "the program stopped answering")
+        if run.timed_out and (outcome.load_error or why.endswith("no answer")):
+            return RewardResult(0.0, TIMEOUT, f"{why}: killed after {run.wall_s:.1f} s"[:300])
+        return RewardResult(0.0, OK, f"failed {why}"[:300])
 
 
-def _verdict(run: RunResult) -> RewardResult:
-    if run.timed_out:
-        return RewardResult(0.0, TIMEOUT, f"killed after {run.wall_s:.1f} s")
+def _case_passed(run: RunResult) -> bool:
+    return run.returncode == 0 and not run.timed_out and not run.stdout_truncated and not run.setup_failed
+
+
+def _process_verdict(where: str, run: RunResult) -> RewardResult | None:
+    """The 0 a run's end explains (sandbox failure, timeout, crash), or None when it ended normally."""
     if run.setup_failed:
-        return RewardResult(0.0, ERROR, run.stderr.strip()[:300])
-    if run.returncode == 0:
+        return RewardResult(0.0, SANDBOX, f"{where}: sandbox set-up failed: {run.setup_error}"[:300])
+    if run.timed_out:
+        return RewardResult(0.0, TIMEOUT, f"{where}: killed after {run.wall_s:.1f} s")
+    if run.returncode not in (0, None) and run.returncode < 0:
+        last = (run.stderr.strip().splitlines() or [""])[-1]
+        return RewardResult(0.0, OK, f"{where}: killed by signal {-run.returncode} {last[:200]}")
+    if run.returncode not in (0, None):
+        last = (run.stderr.strip().splitlines() or [""])[-1]
+        return RewardResult(0.0, OK, f"{where}: failed (exit {run.returncode}): {last[:200]}")
+    return None
+
+
+def _answer_failure(line: str | None, expected: object, lenient: bool) -> str:
+    """Why one call's raw answer line is not the expected value ("" when it is)."""
+    if line is None:
+        return "no answer"
+    try:
+        answer = json.loads(line)
+        if not isinstance(answer, dict):
+            return "malformed answer"
+        if "ok" not in answer:
+            return f"raised {answer.get('raise')}: {str(answer.get('msg'))[:200]}"
+        value = plain.from_json(answer["ok"])
+    except (ValueError, RecursionError) as exc:
+        return f"malformed answer ({str(exc)[:100]})"
+    return "" if answer_matches(value, expected, lenient) else "wrong answer"
+
+
+def _check_verdict(outcome: ServerOutcome) -> RewardResult:
+    verdict = outcome.verdict or {}
+    if verdict.get("passed"):
         return RewardResult(1.0, OK, "passed")
-    last = (run.stderr.strip().splitlines() or [""])[-1]
-    return RewardResult(0.0, OK, f"failed (exit {run.returncode}): {last[:200]}")
+    if outcome.run.setup_failed or outcome.run.timed_out:
+        return _process_verdict("program", outcome.run)  # type: ignore[return-value]
+    detail = str(verdict.get("detail", "failed"))
+    if outcome.load_error:
+        detail = f"failed: program did not load: {outcome.load_error}"
+    return RewardResult(0.0, OK, detail[:300])

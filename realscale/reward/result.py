@@ -12,7 +12,8 @@ CRASH = "crash"
 TOO_LONG = "too_long"
 NO_ANSWER = "no_answer"
 ERROR = "error"
-REASONS = (OK, TIMEOUT, CRASH, TOO_LONG, NO_ANSWER, ERROR)
+SANDBOX = "sandbox"  # the code sandbox refused to run (a layer of isolation is missing)
+REASONS = (OK, TIMEOUT, CRASH, TOO_LONG, NO_ANSWER, ERROR, SANDBOX)
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptSample
+from realscale.generate.client import dialect_for
 from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.types import Group
 from realscale.rollout.workflows import Workflow
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.data.dataset import PromptDataset
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +154,15 @@ class RolloutController:
         self._stopped = False
 
     @classmethod
-    def from_config(cls, cfg: Any, client: Callable[[], Any] | Sequence[str], dataset: Any,
+    def from_config(cls, cfg: "Config", client: Callable[[], Any] | Sequence[str], dataset: "PromptDataset",
                     workflow: Workflow, *, version: int = 0) -> "RolloutController":
         """A controller set up by ``cfg.rollout`` (and ``cfg.generate`` for the client)."""
         r = cfg.rollout
         return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
                    filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
-                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout},
+                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout,
+                                                  "timeout_slack": cfg.generate.timeout_slack,
+                                                  "dialect": dialect_for(cfg.generate.backend)},
                    max_ahead=r.max_ahead)
 
     # ================================================================== trainer API

@@ -1,7 +1,7 @@
 """Reward functions for rollouts, and the calls that keep them off the event loop.
 
 A reward function is ``fn(prompt, completion, sample) -> float | RewardResult``, sync or
-async (DESIGN.md, "RewardFn"). :func:`call_reward` runs it without blocking the rollout
+async. :func:`call_reward` runs it without blocking the rollout
 event loop (awaiting an async one, a sync one in a thread) and under a timeout: a reward
 that hangs scores 0 with reason ``timeout`` and the episode goes on. A sync function that
 hangs keeps its thread busy (Python cannot kill a thread), so each sync call runs in its
@@ -114,19 +114,6 @@ def gym_reward(prompt: str, completion: str, sample: PromptSample) -> float:
     return score(gym_answer(completion), sample)
 
 
-def code_tests(tests: Any) -> str:
-    """A sample's ``tests`` as the test program CodeReward appends to the candidate code."""
-    if isinstance(tests, str):
-        return tests
-    if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
-        return "\n".join(tests)
-    if isinstance(tests, dict) and isinstance(tests.get("test"), str):
-        entry = tests.get("entry_point")
-        return tests["test"] + (f"\ncheck({entry})\n" if entry else "")
-    raise ValueError(f"tests of type {type(tests).__name__} are not a program, a list of asserts, "
-                     "or an object with 'test' (and 'entry_point')")
-
-
 _POOLS: dict[tuple[Any, ...], Any] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -136,13 +123,25 @@ def _pool(kind: str, cfg: Any) -> Any:
     if kind == "math":
         key: tuple[Any, ...] = ("math", cfg.workers, cfg.timeout, cfg.max_answer_chars)
     else:
-        key = ("code", cfg.code_concurrency, cfg.timeout, cfg.code_memory_mb)
+        key = ("code", cfg.code_concurrency, cfg.timeout, cfg.code_memory_mb, cfg.code_disk_mb,
+               cfg.code_sandbox_allow_weaker, cfg.code_python, cfg.code_uid_base)
     with _POOLS_LOCK:
         if key not in _POOLS:
             from realscale.reward import CodeReward, MathReward
 
             _POOLS[key] = (MathReward if kind == "math" else CodeReward).from_config(cfg)
         return _POOLS[key]
+
+
+def reward_pool_stats() -> dict[str, float]:
+    """Counters of the shared code reward pools (runs by reason, ``sandbox_weakened``), for the step log."""
+    with _POOLS_LOCK:
+        pools = [p for key, p in _POOLS.items() if key[0] == "code"]
+    out: dict[str, float] = {}
+    for pool in pools:
+        for name, n in pool.stats().items():
+            out[f"reward_pool/{name}"] = out.get(f"reward_pool/{name}", 0.0) + n
+    return out
 
 
 def close_reward_pools() -> None:
@@ -161,7 +160,7 @@ def reward_fn_for(cfg: Any, sample: PromptSample) -> RewardFn:
     has_tests = sample.tests not in (None, "", [], {})
     if has_tests and (cfg.kind == "code" or sample.answer is None):
         pool = _pool("code", cfg)
-        tests = code_tests(sample.tests)
+        tests = sample.tests  # any form CodeReward knows (realscale.reward.code_tests)
 
         async def code(prompt: str, completion: str, s: PromptSample) -> RewardResult:
             return await pool.score(completion, tests)

@@ -2,7 +2,7 @@
 
 With batch size B (prompts per step), weight version v and bound η, the controller may
 have at most ``(η + v + 1)·B`` groups accepted-or-running in total, and at most
-``max_concurrent`` running at once (DESIGN.md, "One step of fully asynchronous RL")::
+``max_concurrent`` running at once (ARCHITECTURE.md, "A run")::
 
     capacity(v) = min(max_concurrent − running, (η + v + 1)·B − (accepted + running))
 

@@ -58,6 +58,15 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def observation_ids(tokenizer: Any, observation: str) -> list[int]:
+    """Tokens an environment's observation adds after a model turn: a ``tool`` message in
+    the chat template, then the generation prompt of the next answer (the multi-turn
+    workflow's layout; SFT demonstrations of tool use are built the same way)."""
+    text = tokenizer.apply_chat_template([{"role": "tool", "content": observation}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer.encode("\n" + text, add_special_tokens=False))
+
+
 def sampling_params_from_config(gen_cfg: Any) -> dict[str, Any]:
     """Sampling parameters for the servers from a :class:`realscale.config.GenerateConfig`."""
     return {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature,
@@ -166,10 +175,7 @@ class MultiTurnWorkflow(_SampledWorkflow):
         self.env_timeout = float(env_timeout)
 
     def observation_ids(self, observation: str) -> list[int]:
-        """Tokens that close the model's turn's context and open the next answer."""
-        text = self.tokenizer.apply_chat_template([{"role": "tool", "content": observation}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(self.tokenizer.encode("\n" + text, add_special_tokens=False))
+        return observation_ids(self.tokenizer, observation)
 
     async def _one(self, client: Any, sample: PromptSample, ids: list[int]) -> Trajectory:
         env = self.env_factory(sample)

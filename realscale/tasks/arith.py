@@ -179,6 +179,33 @@ def encode_example(tokenizer: Any, problem: Problem, worked: bool = False) -> tu
     return head + tail, [0.0] * len(head) + [1.0] * len(tail)
 
 
+def encode_tool_example(tokenizer: Any, problem: Any, use_tool: bool = True) -> tuple[list[int], list[float]]:
+    """(token ids, loss mask) of a multi-turn demonstration for the calculator environment
+    (:class:`realscale.rollout.workflows.CalculatorEnv`), laid out exactly as the
+    multi-turn workflow lays out an episode. With ``use_tool``: the model asks
+    ``<calc>47+38</calc>``, the tool answers ``<result>85</result>`` (mask 0), the model
+    answers ``<answer>85</answer>``; without: the model answers at once. Every model
+    turn ends with EOS, as the servers return it."""
+    from realscale.rollout.workflows import observation_ids
+
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token; the answer could never end")
+    eos = int(tokenizer.eos_token_id)
+
+    def turn(text: str) -> list[int]:
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]] + [eos]
+
+    head = prompt_ids(tokenizer, problem.prompt)
+    ids, mask = list(head), [0.0] * len(head)
+    if use_tool:
+        call, obs = turn(f"<calc>{problem.prompt.rstrip('=')}</calc>"), observation_ids(tokenizer,
+                                                                                       f"<result>{problem.answer}</result>")
+        ids += call + obs
+        mask += [1.0] * len(call) + [0.0] * len(obs)
+    answer = turn(f"<answer>{problem.answer}</answer>")
+    return ids + answer, mask + [1.0] * len(answer)
+
+
 def is_correct(completion: str, reference: str) -> bool:
     """The RL reward's verdict, in process: final answer extracted as the math reward does,
     compared exactly. Answers of this task are integers, which the reward's fast path

@@ -1,11 +1,14 @@
 """The actor's side of one RL step: rollout groups -> packed batch -> PPO update.
 
 - :func:`groups_to_batch`: accepted groups become one packed batch with per-token loss
-  mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``) and the
-  policy version of every token, plus rollout statistics.
-- :func:`update_policy`: the decoupled PPO update of DESIGN.md over ``train.mini_batches``
-  mini-batches; each data-parallel rank trains its token-balanced share; proximal
-  log-probs come from the policy before the first update.
+  mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``; for GAE the
+  token rewards, advantages follow from the critic's values) and the policy version of
+  every token, plus rollout statistics.
+- :func:`update_policy`: the decoupled PPO update of ARCHITECTURE.md over
+  ``train.mini_batches`` mini-batches; each data-parallel rank trains its token-balanced
+  share; proximal log-probs (and with a critic, values and GAE advantages) come from the
+  models before the first update; the critic (:mod:`realscale.train.critic`) then takes
+  its value-loss steps on the same shares.
 
 The loss arguments come from :func:`realscale.algo.losses.loss_kwargs_from_config`, the
 one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
@@ -13,15 +16,17 @@ one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from realscale.train.batch import PackedBatch
+from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
     from realscale.rollout.types import Group
+    from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
 
 
@@ -33,7 +38,11 @@ def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "Algo
         return loo_advantages(rewards, cu_groups=cu_groups)
     if algo.adv_estimator == "grpo":
         return grpo_advantages(rewards, cu_groups=cu_groups, std_norm=algo.group_std_norm)
-    raise ValueError(f"algo.adv_estimator={algo.adv_estimator!r} needs a critic, which this loop does not train")
+    if algo.adv_estimator == "reinforce":
+        return rewards.clone()
+    if algo.adv_estimator == "gae":  # per token, from the critic's values: see update_policy
+        return torch.zeros_like(rewards)
+    raise ValueError(f"algo.adv_estimator: unknown estimator {algo.adv_estimator!r}")
 
 
 def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBatch, dict[str, float]]:
@@ -54,11 +63,14 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
         versions.append(torch.tensor([-1] * n_p + list(t.output_versions), dtype=torch.float32))
     batch = PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs,
                                               "versions": versions})
+    if algo.adv_estimator == "gae":
+        batch.fields["rewards"] = token_rewards(batch.fields["loss_mask"], batch.cu_seqlens, rewards.tolist())
     out_lens = torch.tensor([float(len(t.output_ids)) for t in trajs])
     stats = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).float().mean()),
              "rollout/response_len": float(out_lens.mean()), "rollout/response_len_max": float(out_lens.max()),
              "rollout/groups": float(len(groups)), "rollout/trajectories": float(len(trajs)),
-             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs))}
+             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs)),
+             "rollout/turns": sum(t.num_turns for t in trajs) / len(trajs)}
     return batch, stats
 
 
@@ -86,7 +98,7 @@ def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
 
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
-    """The decoupled PPO objective of DESIGN.md as the engine's loss function."""
+    """The decoupled PPO objective (ARCHITECTURE.md, step 2) as the engine's loss function."""
     from realscale.algo.losses import loss_kwargs_from_config, ppo_loss
 
     kwargs = loss_kwargs_from_config(algo)
@@ -116,12 +128,25 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
     return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
 
 
+def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:
+    """Advantages of every share normalised with the global batch's moments (this rank's
+    shares summed, then all-reduced over data-parallel ranks)."""
+    import torch.distributed as dist
+
+    from realscale.algo.advantages import masked_moments, normalize_by_moments
+
+    moments = sum(masked_moments(s.fields["advantages"], s.fields["loss_mask"]) for s in shares)
+    if dp_group is not None:
+        dist.all_reduce(moments, group=dp_group)
+    for s in shares:
+        s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
+
+
 def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
-                  on_share: Callable[[PackedBatch], None] | None = None) -> dict[str, float]:
+                  critic: "CriticEngine | None" = None) -> dict[str, float]:
     """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
-    of each mini-batch. Every trainer rank calls it with the same batch. ``on_share``
-    (optional) adds per-token fields to each share before the update (reference
-    log-probs, values)."""
+    of each mini-batch. Every trainer rank calls it with the same batch. With a
+    ``critic`` (GAE), its values give the advantages and it is updated after the actor."""
     r = engine.ranks
     parts = mini_batches(batch, cfg.train.mini_batches)
     if any(p.num_seqs < r.dp for p in parts):
@@ -131,10 +156,15 @@ def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
     for share in shares:
         if cfg.algo.decoupled:
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
-        if on_share is not None:
-            on_share(share)
+        if critic is not None:
+            gae_advantages(critic, share, cfg.algo)
+    if cfg.algo.normalize_adv_over_batch:
+        normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
     step_stats: dict[str, float] = {}
     for share in shares:
         step_stats = engine.train_step(share, loss_fn, norm_fn)
-    return {f"train/{k}": v for k, v in step_stats.items()}
+    stats = {f"train/{k}": v for k, v in step_stats.items()}
+    if critic is not None:
+        stats.update(update_critic(critic, shares, cfg.critic))
+    return stats

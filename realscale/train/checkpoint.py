@@ -4,6 +4,7 @@ must agree with.
 Layout of a run directory::
 
     checkpoints/step000010/     engine.save(): model + optimizer shards, extra state
+    checkpoints/step000010/critic/   the value model's, the same way (PPO with GAE)
     latest_checkpoint           the path of the newest *complete* checkpoint
     metrics.jsonl               one record per step
     trained_uids.jsonl          which prompts each step trained on
@@ -11,19 +12,35 @@ Layout of a run directory::
 A checkpoint is complete before the pointer moves (atomic rename), so a crash while
 saving leaves the previous checkpoint as the one a restart resumes from. On resume the
 logs are cut back to the checkpoint's step, so every step appears once in them.
+
+Bounded storage: after each successful save, :func:`rotate_checkpoints` deletes all but
+the newest ``run.keep_checkpoints`` checkpoints, never one that is pinned
+(``run.pin_checkpoints``, or a ``PIN`` file inside its directory) and never the one
+``latest_checkpoint`` names. A save that fails for want of space (ENOSPC, EDQUOT) removes
+its partial directory and raises :class:`CheckpointError`; the pointer still names the
+previous checkpoint, which stays loadable. :func:`disk_usage` measures the run directory
+for the metrics and the summary.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from typing import TYPE_CHECKING, Any
+import shutil
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from realscale.rollout.types import Group
     from realscale.train.engine import MegatronEngine
 
 LATEST = "latest_checkpoint"
+PIN_FILE = "PIN"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the previous one is intact."""
 STEP_LOGS = ("metrics.jsonl", "trained_uids.jsonl")
 
 
@@ -43,19 +60,119 @@ def latest_checkpoint(out_dir: str) -> str | None:
 
 
 def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: dict[str, Any],
-                    is_driver: bool) -> str:
-    """Save model, optimizer and ``extra`` (rank 0's, sent to every rank) after ``step``;
-    move the pointer once the checkpoint is complete. Every trainer rank calls it."""
+                    is_driver: bool, critic: "MegatronEngine | None" = None) -> str:
+    """Save model, optimizer and ``extra`` (rank 0's, sent to every rank) after ``step``
+    (and the critic's, when there is one); move the pointer once the checkpoint is
+    complete. Every trainer rank calls it."""
     import torch.distributed as dist
 
     ckpt = os.path.join(out_dir, "checkpoints", checkpoint_name(step))
     holder = [extra]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(holder, src=0)
-    engine.save(ckpt, extra=holder[0])
-    if is_driver:
-        _atomic_write(os.path.join(out_dir, LATEST), ckpt)
+    try:
+        engine.save(ckpt, extra=holder[0])
+        if critic is not None:
+            critic.save(critic_dir(ckpt))
+        if is_driver:
+            _atomic_write(os.path.join(out_dir, LATEST), ckpt)
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        # Whatever broke the save, the partial directory is garbage holding the space the
+        # next attempt needs.
+        shutil.rmtree(ckpt.rstrip("/") + ".tmp", ignore_errors=True)
+        _remove_quietly(os.path.join(out_dir, LATEST) + ".tmp")
+        previous = latest_checkpoint(out_dir)
+        raise CheckpointError(f"checkpoint of step {step}: {_failure_reason(exc, out_dir, previous)} "
+                              f"({_free_text(out_dir)} on {out_dir}); the previous checkpoint "
+                              f"{previous or '(none)'} is intact: run again to resume from it") from exc
     return ckpt
+
+
+def critic_dir(ckpt_dir: str) -> str:
+    """Where a run checkpoint keeps the critic's state."""
+    return os.path.join(ckpt_dir, "critic")
+
+
+def _failure_reason(exc: BaseException, out_dir: str, previous: str | None) -> str:
+    """"No space left on device" when the disk is the cause: said so by the error, or too
+    little space is left for another checkpoint the size of the previous one (megatron's
+    writer sometimes reports a full disk only as a torch zip-writer failure)."""
+    short = previous is not None and shutil.disk_usage(out_dir).free < _tree_bytes(previous)
+    if _no_space(exc) or short:
+        return os.strerror(errno.ENOSPC)
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a full disk or an exhausted quota. Megatron's
+    checkpoint writer reports a worker's ENOSPC only as text inside its own exception."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    return any(f"[Errno {code}]" in text or os.strerror(code) in text for code in _NO_SPACE)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _free_text(path: str) -> str:
+    free = shutil.disk_usage(path).free
+    return f"{free / 2**20:.1f} MiB free"
+
+
+def _step_of(name: str) -> int | None:
+    if name.startswith("step") and name[4:].isdigit():
+        return int(name[4:])
+    return None
+
+
+def rotate_checkpoints(out_dir: str, keep: int, pinned: Iterable[int] = ()) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints (0: keep all); pinned steps,
+    directories with a ``PIN`` file, and the latest checkpoint stay. Returns what was deleted."""
+    root = os.path.join(out_dir, "checkpoints")
+    if keep <= 0 or not os.path.isdir(root):
+        return []
+    steps = sorted(s for s in map(_step_of, os.listdir(root)) if s is not None)
+    latest = latest_checkpoint(out_dir)
+    pins = set(pinned)
+    deleted = []
+    for step in steps[:-keep]:
+        path = os.path.join(root, checkpoint_name(step))
+        if step in pins or os.path.exists(os.path.join(path, PIN_FILE)) or path == latest:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass  # deleted while we walked (rotation, weight pruning)
+    return total
+
+
+def disk_usage(out_dir: str) -> dict[str, float]:
+    """Bytes the run directory holds (all of it, its checkpoints, its disk weight
+    versions) and the bytes still free on its file system."""
+
+    return {"disk/run_bytes": float(_tree_bytes(out_dir)),
+            "disk/checkpoints_bytes": float(_tree_bytes(os.path.join(out_dir, "checkpoints"))),
+            "disk/weights_bytes": float(_tree_bytes(os.path.join(out_dir, "weights"))),
+            "disk/free_bytes": float(shutil.disk_usage(out_dir).free)}
 
 
 def record_trained(out_dir: str, step: int, groups: list["Group"]) -> None:

@@ -1,4 +1,4 @@
-"""The Megatron training engine (``TrainEngine`` in DESIGN.md).
+"""The Megatron training engine (the policy's and the critic's; ARCHITECTURE.md, "A run").
 
 One engine for CPU (gloo + :mod:`megatron_patches.cpu`, local layer spec) and GPUs
 (NCCL, the Transformer Engine spec when installed). Every rank of the trainer builds a
@@ -26,12 +26,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from realscale.parallel.device import local_device
+from realscale.parallel.device import local_device, to_comm
 from realscale.train.batch import PackedBatch, block_causal_mask
+
+if TYPE_CHECKING:
+    from realscale.config import Config
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NormalizerFn = Callable[[PackedBatch], torch.Tensor]
@@ -74,7 +77,7 @@ class EngineConfig:
     recompute: str = "none"  # none | selective | full (realscale.models.megatron_gpt.recompute_kwargs)
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, train: bool = True) -> "EngineConfig":
+    def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
         o = cfg.optim
         return cls(model_path=model_path, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                    sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype, seed=cfg.run.seed,
@@ -94,23 +97,26 @@ def resolve_recompute(cfg: Any) -> str:
         return cfg.train.recompute
     if not cfg.parallel.plan:
         return "none"
-    from realscale.planner.plan import Plan
+    from realscale.planner.apply import load_plan
 
-    train = Plan.load(cfg.parallel.plan).roles.get("actor_train")
+    train = load_plan(cfg).roles.get("actor_train")
     return train.recompute if train is not None else "none"
 
 
 class MegatronEngine:
     """A megatron-core GPT model on this rank's layout, with optimizer and scheduler."""
 
-    def __init__(self, ec: EngineConfig) -> None:
+    def __init__(self, ec: EngineConfig, *, shared_layout: bool = False) -> None:
+        """``shared_layout``: megatron's groups are already up for this layout (a second
+        model on the same ranks, e.g. the critic beside the actor); keep them."""
         from realscale.models.convert import load_hf_weights
         from realscale.models.family import load_arch
         from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
         from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 
         self.ec = ec
-        init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
+        if not shared_layout:
+            init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
         self.ranks = rank_info(ec.sequence_parallel)
         self.arch = load_arch(ec.model_path)
         with open(os.path.join(ec.model_path, "config.json"), encoding="utf-8") as fh:
@@ -241,6 +247,11 @@ class MegatronEngine:
             ent = torch.roll(ent, 1) * keep
         return lp, ent
 
+    def _trained_outputs(self, model: Any, hidden: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        """The per-token tensor :meth:`train_step` hands its loss function: the policy's
+        aligned log-probs (a value model returns its values instead)."""
+        return self._token_logprobs(model, hidden, mb)[0]
+
     def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[list[int]]]:
         """Balanced micro-batches under the token budget, and which sequences each holds."""
         from realscale.data.packing import pack_micro_batches
@@ -271,23 +282,32 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ public API
 
-    @torch.no_grad()
     def logprobs(self, batch: PackedBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) of ``batch`` under the current weights, on
         every rank of this model replica."""
+        def outputs(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> dict[str, torch.Tensor]:
+            lp, ent = self._token_logprobs(model, hidden, mb, with_entropy)
+            return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
+
+        return self.forward_tokens(batch, outputs, ["logprobs"] + (["entropy"] if with_entropy else []))
+
+    @torch.no_grad()
+    def forward_tokens(self, batch: PackedBatch, outputs: Callable[[Any, torch.Tensor, PackedBatch],
+                                                                    dict[str, torch.Tensor]],
+                       keys: list[str]) -> dict[str, torch.Tensor]:
+        """Forward-only pass: ``outputs(model, final hidden, micro-batch)`` on the last stage
+        gives per-token tensors named ``keys``; returned in the batch's token order (fp32,
+        CPU) on every rank of this model replica."""
         self.module.eval()
         mbs, plan = self._micro_batches(batch)
 
         def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-            lp, ent = self._token_logprobs(model, hidden, mb, with_entropy)
-            out = {"logprobs": lp.float().cpu()}
-            if ent is not None:
-                out["entropy"] = ent.float().cpu()
-            return torch.zeros((), device=lp.device), out
+            out = {k: v.float().cpu() for k, v in outputs(model, hidden, mb).items()}
+            return torch.zeros((), device=hidden.device), out
 
         results = self._run_schedule(mbs, True, loss_of)
         out = {}
-        for key in ["logprobs"] + (["entropy"] if with_entropy else []):
+        for key in keys:
             if self.ranks.is_last_stage:
                 packed = self._unpermute(batch, plan, [r[key] for r in results])
             else:
@@ -339,8 +359,9 @@ class MegatronEngine:
 
         if self.ec.pp == 1:
             return tensor
-        dist.broadcast(tensor, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
-        return tensor
+        t = to_comm(tensor, dist.get_backend())  # NCCL: collectives take tensors on this GPU
+        dist.broadcast(t, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
+        return t.cpu()
 
     def train_step(self, batch: PackedBatch, loss_fn: LossFn, normalizer_fn: NormalizerFn = masked_tokens
                    ) -> dict[str, float]:
@@ -358,16 +379,17 @@ class MegatronEngine:
         self.module.train()
         mbs, _ = self._micro_batches(batch)
         local_norm = torch.stack([normalizer_fn(mb).double() for mb in mbs]).sum()
-        total_norm = local_norm.clone()
-        tokens = torch.tensor([float(batch.num_tokens)], dtype=torch.float64)
+        total_norm = to_comm(local_norm.clone(), dist.get_backend())
+        tokens = to_comm(torch.tensor([float(batch.num_tokens)], dtype=torch.float64), dist.get_backend())
         if self.ranks.dp > 1:
             dist.all_reduce(total_norm, group=self.ranks.dp_group)
             dist.all_reduce(tokens, group=self.ranks.dp_group)
+        total_norm, tokens = total_norm.cpu(), tokens.cpu()
         normalizer = total_norm.float().clamp(min=1.0)
         scale = len(mbs) * self.ranks.dp  # undo megatron's 1/num_microbatches and DDP's 1/dp
 
         def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-            lp, _ = self._token_logprobs(model, hidden, mb)
+            lp = self._trained_outputs(model, hidden, mb)
             loss, stats = loss_fn(lp, mb, normalizer.to(lp.device))
             reported = {k: v.detach().float().cpu() for k, v in stats.items()}
             reported["loss"] = loss.detach().float().cpu()
@@ -401,10 +423,13 @@ class MegatronEngine:
             for i, key in enumerate(keys):
                 vals = torch.stack([r[key].double().reshape(()) for r in results])
                 vec[i] = vals.sum() if key == "loss" else vals.mean()
+        vec = to_comm(vec, dist.get_backend())
         if self.ec.pp > 1:
             dist.broadcast(vec, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
         if self.ranks.dp > 1:
             dist.all_reduce(vec, group=self.ranks.dp_group)
+        vec = vec.cpu()
+        if self.ranks.dp > 1:
             for i, key in enumerate(keys):
                 if key != "loss":
                     vec[i] /= self.ranks.dp

@@ -98,3 +98,22 @@ def test_filter_tolerance_and_bad_window():
     assert dynamic_sampling_filter(r, 2, atol=1e-6).keep_groups.tolist() == [False, True]
     with pytest.raises(ValueError, match="success window"):
         dynamic_sampling_filter(r, 2, success_lb=0.8, success_ub=0.2)
+
+
+def test_batch_normalized_advantages_by_hand() -> None:
+    """AReaL's global-batch normalisation: mean 0 and unbiased std 1 over trained tokens."""
+    from realscale.algo.advantages import batch_normalized_advantages, masked_moments, normalize_by_moments
+
+    adv = torch.tensor([1.0, 2.0, 3.0, 100.0, 2.0])
+    mask = torch.tensor([1, 1, 1, 0, 1])
+    # trained tokens 1, 2, 3, 2: mean 2, unbiased variance (1 + 0 + 1 + 0) / 3
+    std = (2 / 3) ** 0.5
+    out = batch_normalized_advantages(adv, mask, eps=0.0)
+    assert out.tolist() == pytest.approx([-1 / std, 0.0, 1 / std, 0.0, 0.0])
+    # moments add up over pieces of the batch (micro-batches, data-parallel ranks)
+    parts = masked_moments(adv[:2], mask[:2]) + masked_moments(adv[2:], mask[2:])
+    assert parts.tolist() == masked_moments(adv, mask).tolist() == [4.0, 8.0, 18.0]
+    assert normalize_by_moments(adv[2:], mask[2:], parts, eps=0.0).tolist() == pytest.approx(out[2:].tolist())
+    # one trained token: centred only; none: all zero
+    assert batch_normalized_advantages(adv, torch.tensor([0, 0, 1, 0, 0])).tolist() == [0.0] * 5
+    assert batch_normalized_advantages(adv, torch.zeros(5)).tolist() == [0.0] * 5

@@ -8,10 +8,13 @@ import os
 
 import pytest
 import torch
+from http_record import record_requests
 
 from realscale.generate.client import InferenceClient
 from realscale.generate.sampling import token_logprobs
 from realscale.generate.server import EmbeddedServer, start_in_thread
+from realscale.generate.weights import full_megatron_tensors
+from realscale.parallel.reshard_exec import pack_shard
 from realscale.parallel.spawn import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -51,9 +54,10 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
 
     new_dir = build_tiny_model(str(tmp_path / "trained"), family="qwen3", seed=5)
     server = EmbeddedServer("tiny-qwen3", max_running=4, context_length=128)
+    seen = record_requests(server)
     url, stop = start_in_thread(server)
     try:
-        before = server.engine.model.model.embed_tokens.weight.clone()
+        before = server.ranks.worker.weights.hashes()
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         proc = mp.get_context("spawn").Process(target=_trainer, args=(new_dir, [url], free_port(), child))
         proc.start()
@@ -63,11 +67,23 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
         assert status == "ok", payload
         sent, n_buckets = payload
         assert n_buckets > 1
+        # SGLang's sequence: join, pause, one session of n_buckets updates, the version and
+        # the cache flush with the last one only, resume
+        weight_calls = [(p, b) for _, p, b in seen if p not in ("/health", "/get_server_info")]
+        assert [p for p, _ in weight_calls] == (["/init_weights_update_group", "/pause_generation",
+                                                "/begin_weight_update"]
+                                               + ["/update_weights_from_distributed"] * n_buckets
+                                               + ["/end_weight_update", "/continue_generation"])
+        updates = [b for p, b in weight_calls if p == "/update_weights_from_distributed"]
+        assert [("weight_version" in b, b["flush_cache"]) for b in updates] == \
+            [(False, False)] * (n_buckets - 1) + [(True, True)]
+        assert weight_calls[0][1]["rank_offset"] == 1 and weight_calls[0][1]["world_size"] == 2
         new = AutoModelForCausalLM.from_pretrained(new_dir).eval()
-        mine = dict(server.engine.model.named_parameters())
-        for name, p in new.named_parameters():
-            assert torch.equal(mine[name], p), name
-        assert not torch.equal(before, mine["model.embed_tokens.weight"])
+        weights = server.ranks.worker.weights
+        full = full_megatron_tensors(new.state_dict().items(), weights.spec, weights.arch)
+        expected = pack_shard(weights.spec, weights.layout, 0, full)
+        assert torch.equal(weights.flat, expected)
+        assert all(before[name] != h for name, h in weights.hashes().items() if "layernorm" not in name)
         assert sent == sum(p.numel() * p.element_size() for p in new.state_dict().values())
         # Generation now runs on the streamed weights and is tagged with the new version.
         import requests

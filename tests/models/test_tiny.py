@@ -48,7 +48,7 @@ def test_seed_determines_weights(tmp_path) -> None:
 def test_resolve_builds_once_into_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("REALSCALE_CACHE", str(tmp_path))
     path = tiny.resolve_model_path("tiny-qwen3")
-    assert path == os.path.join(str(tmp_path), "models", "tiny-qwen3")
+    assert path == os.path.join(str(tmp_path), "models", f"tiny-qwen3.v{tiny._BUILD_FORMAT}")
     with open(os.path.join(path, "config.json")) as fh:
         assert json.load(fh)["model_type"] == "qwen3"
     mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
@@ -65,3 +65,50 @@ def test_resolve_rejects_unknown(tmp_path) -> None:
         tiny.resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="unknown model family"):
         tiny.build_tiny_model(str(tmp_path / "x"), family="gpt2")
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_init_is_the_hf_familys(tmp_path, family: str) -> None:
+    """Linear and embedding weights ~ normal(0, initializer_range), norms 1 (transformers' _init_weights)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = tiny.build_tiny_model(str(tmp_path / family), family=family)
+    std = AutoConfig.from_pretrained(path).initializer_range
+    for name, w in load_file(os.path.join(path, "model.safetensors")).items():
+        if name.endswith("norm.weight"):
+            assert (w == 1).all(), name
+        elif w.dim() == 2:
+            assert abs(float(w.std()) - std) < 0.2 * std and abs(float(w.mean())) < 0.2 * std, name
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "small-qwen2", "tiny-qwen3", "tiny-llama"])
+def test_untrained_model_samples_a_real_distribution(tmp_path, monkeypatch, name: str) -> None:
+    """At temperature 1 an untrained built-in model spreads its probability over the
+    vocabulary and the embedded engine samples many different tokens (the std-1 embedding of
+    an earlier build made tied Qwen2 repeat its last token with log-prob 0)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from realscale.generate.engine import Engine, Request, SamplingOptions
+
+    monkeypatch.setenv("REALSCALE_CACHE", str(tmp_path))
+    path = tiny.resolve_model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("What is 12+30? Answer:")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+    entropy = float(-(logp.exp() * logp).sum())
+    assert entropy > 0.5 * math.log(len(tok)), f"{name}: next-token entropy {entropy:.3f} nats"
+    engine = Engine(model, tok, seed=0)
+    try:
+        req = Request("r", ids, SamplingOptions(max_new_tokens=32, temperature=1.0, ignore_eos=True),
+                      return_logprob=True)
+        out = engine.submit(req).result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert len(set(out.output_ids)) >= 8, out.output_ids
+    assert max(out.logprobs) < -0.5  # no token is sampled with (near) certainty

@@ -147,3 +147,32 @@ def test_cli_plan(tmp_path, capsys):
     assert Plan.load(str(out)).cluster == Cluster(1, 4)
     assert main(["plan", "--model", "qwen2-9b"]) == 2
     assert "did you mean" in capsys.readouterr().err
+
+
+def test_gae_recipe_places_and_costs_the_critic(tmp_path) -> None:
+    """With algo.adv_estimator=gae the plan holds critic_inf / critic_train and the cost
+    model counts them; a plan that puts critic_train off the actor's placement is refused."""
+    import dataclasses
+    import pathlib
+
+    from realscale.config import ConfigError, load_config
+    from realscale.launcher.render import plan_for
+    from realscale.planner.apply import apply_plan
+
+    recipe = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "r1_distill_qwen_1.5b_math.yaml")
+    grpo = plan_for(load_config(recipe))
+    gae = plan_for(load_config(recipe, ["algo.adv_estimator=gae"]))
+    assert {"critic_inf", "critic_train"} <= set(gae.roles) and "critic_train" not in grpo.roles
+    assert gae.step_seconds > grpo.step_seconds  # two more passes over the batch
+    actor = gae.roles["actor_train"]
+    gae.roles["critic_train"] = dataclasses.replace(actor)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(gae.to_yaml())
+    cfg = apply_plan(load_config(recipe, ["algo.adv_estimator=gae", f"parallel.plan={ok}"]))
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (actor.strategy.dp, actor.strategy.tp,
+                                                                   actor.strategy.pp)
+    gae.roles["critic_train"] = gae.roles["actor_gen"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(gae.to_yaml())
+    with pytest.raises(ConfigError, match="critic_train .* must share actor_train's placement"):
+        apply_plan(load_config(recipe, ["algo.adv_estimator=gae", f"parallel.plan={bad}"]))

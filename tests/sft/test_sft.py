@@ -12,7 +12,7 @@ import torch
 from realscale.config import load_config
 from realscale.tasks.arith import encode_example, is_correct, prompt_ids, task_from_config
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]  # SFT runs
 
 OVERRIDES = ["sft.hidden_size=32", "sft.num_layers=1", "sft.num_heads=2", "sft.num_kv_heads=1",
              "sft.intermediate_size=64", "sft.lr=0.01", "sft.steps=12", "sft.batch_size=16", "sft.warmup_steps=2",
@@ -30,20 +30,9 @@ def sft_run(tmp_path_factory):
 
 def _answer_nll(model_dir: str, cfg) -> float:
     """Token-mean NLL of the answers of 32 training examples under an HF model (independent of Megatron)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_nll import hf_masked_nll
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total, count = 0.0, 0
-    for p in task_from_config(cfg.data).split("train")[:32]:
-        ids, mask = encode_example(tok, p)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
-        lp = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        m = torch.tensor(mask[1:])
-        total += float(-(lp * m).sum())
-        count += int(m.sum())
-    return total / count
+    return hf_masked_nll(model_dir, encode_example, task_from_config(cfg.data).split("train")[:32])
 
 
 def test_sft_lowers_the_answer_nll_and_writes_a_loadable_model(sft_run) -> None:

@@ -121,3 +121,44 @@ def test_sft_batches_mix_the_two_styles_by_fraction() -> None:
 
     assert worked_share(0.0) == 0.0 and worked_share(1.0) == 1.0
     assert 0.4 < worked_share(0.5) < 0.6
+
+
+def test_tool_demonstration_is_laid_out_as_the_multi_turn_workflow_lays_out_an_episode() -> None:
+    """SFT's calculator demonstrations are token for token what MultiTurnWorkflow builds when
+    the model says the same things, with the loss mask on the model's own tokens only. The
+    'model' here is a script that replays the demonstration's turns (the layout is the
+    subject, not sampling)."""
+    import asyncio
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from realscale.data.dataset import PromptSample
+    from realscale.generate.client import GenerateResult
+    from realscale.models.tiny import build_tiny_model
+    from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow
+    from realscale.tasks.arith import encode_tool_example
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = AutoTokenizer.from_pretrained(build_tiny_model(d))
+    problem = ArithTask(max_operand=99, heldout_size=10).split("train")[0]
+    eos = tok.eos_token_id
+
+    class Script:
+        def __init__(self, turns: list[str]) -> None:
+            self.turns = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in turns]
+
+        async def generate(self, ids: list[int], params: dict) -> GenerateResult:
+            out = self.turns.pop(0)
+            return GenerateResult(ids, out, [-0.1] * len(out), [0] * len(out), {"type": "stop"})
+
+    for use_tool, turns in ((True, [f"<calc>{problem.prompt[:-1]}</calc>", f"<answer>{problem.answer}</answer>"]),
+                            (False, [f"<answer>{problem.answer}</answer>"])):
+        wf = MultiTurnWorkflow(tok, 1, {"max_new_tokens": 24}, CalculatorEnv, max_turns=3)
+        sample = PromptSample(problem.prompt, problem.answer, uid="u")
+        traj = asyncio.run(wf.run_episode(Script(turns), sample))[0]
+        ids, mask = encode_tool_example(tok, problem, use_tool)
+        assert traj.reward == 1.0 and traj.num_turns == len(turns)
+        assert traj.prompt_ids + traj.output_ids == ids
+        assert [0.0] * len(traj.prompt_ids) + [float(m) for m in traj.loss_mask] == mask
+        assert ("<result>" in traj.completion_text) == use_tool

@@ -1,0 +1,242 @@
+"""``realscale eval``: a model on a benchmark, through the generation tier of training.
+
+A benchmark is a recipe-format file (JSONL / Parquet: ``prompt`` + ``answer`` or
+``tests``; see ``realscale data convert``) or a toy task (``task:arith``: its held-out
+split). For every problem, ``n`` answers are sampled with the papers' settings
+(temperature, top-p, most new tokens), each scored by the same reward function RL uses
+(:func:`realscale.rollout.rewards.reward_fn_for`: the math reward, or the code sandbox for
+rows with tests). The scores are pass@k (unbiased), avg@n and maj@n
+(:mod:`realscale.eval.metrics`).
+
+Generation goes through HTTP generation servers with the same client as the rollouts
+(:class:`realscale.generate.client.InferenceClient`: least-load routing, resends):
+servers that already run (``urls``: embedded, SGLang, vLLM), or servers started for the
+evaluation by the run's launcher backend (``generate.num_servers`` embedded servers on
+this machine, or job steps inside a Slurm allocation) and stopped after it. Prompts are
+laid out as the RL workflow lays them out: the model's chat template when it has one,
+the bare prompt text otherwise.
+
+Outputs: ``per_problem.jsonl`` (each problem's completions, verdicts, extracted answers,
+its pass@k) and ``summary.json`` in the output directory, and a printed table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from realscale.eval.metrics import aggregate, answer_key, pass_at_k
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.data.dataset import PromptSample
+
+
+@dataclass
+class BenchmarkSettings:
+    """How a benchmark is sampled (``eval`` section of the config, or ``realscale eval`` flags)."""
+
+    data: str
+    samples: int = 4
+    ks: tuple[int, ...] = (1,)
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 512
+    max_problems: int = 0
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"eval: samples must be >= 1, got {self.samples}")
+        bad = [k for k in self.ks if not 1 <= k <= self.samples]
+        if bad:
+            raise ValueError(f"eval: pass@k needs 1 <= k <= samples ({self.samples}), got k={bad[0]}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1 or self.max_problems < 0:
+            raise ValueError("eval: temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1, max_problems >= 0")
+
+
+@dataclass
+class BenchmarkResult:
+    """Scores of one evaluation, and where its per-problem records are."""
+
+    model: str
+    data: str
+    num_problems: int
+    samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    metrics: dict[str, float]
+    seconds: float
+    output_tokens: int
+    truncated: float  # fraction of answers that hit max_new_tokens
+    reward_reasons: dict[str, int] = field(default_factory=dict)
+    per_problem: str = ""
+
+    def table(self) -> str:
+        rows = [("model", self.model), ("data", f"{self.data} ({self.num_problems} problems)"),
+                ("sampling", f"n={self.samples}, T={self.temperature:g}, top-p={self.top_p:g}, "
+                             f"max {self.max_new_tokens} new tokens")]
+        rows += [(name, f"{100 * value:.1f}%") for name, value in self.metrics.items()]
+        rows += [("answers cut at max tokens", f"{100 * self.truncated:.1f}%"),
+                 ("tokens generated", f"{self.output_tokens} in {self.seconds:.0f} s "
+                                      f"({self.output_tokens / max(self.seconds, 1e-9):.0f} tok/s)")]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+# --------------------------------------------------------------------------- problems and prompts
+
+
+def load_problems(data: str, cfg: "Config", max_problems: int = 0) -> list["PromptSample"]:
+    """The benchmark's problems: a recipe-format file, or ``task:<name>``'s held-out split."""
+    from realscale.data.dataset import PromptDataset, PromptSample
+
+    if data.startswith("task:"):
+        from dataclasses import replace
+
+        from realscale.tasks.arith import task_from_config
+
+        task = task_from_config(replace(cfg.data, source=data))
+        problems = [PromptSample(prompt=p.prompt, answer=p.answer, metadata=p.metadata, uid=f"{data}:{i}")
+                    for i, p in enumerate(task.split("heldout"))]
+    else:
+        problems = list(PromptDataset(data, shuffle=False, num_epochs=1).samples)
+    if not problems:
+        raise ValueError(f"eval: {data} holds no usable problem")
+    return problems[:max_problems] if max_problems else problems
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The RL workflow's prompt layout (chat template), or the bare text for a model without one."""
+    if getattr(tokenizer, "chat_template", None):
+        from realscale.rollout.workflows import prompt_ids
+
+        return prompt_ids(tokenizer, prompt)
+    return list(tokenizer.encode(prompt))
+
+
+# --------------------------------------------------------------------------- generation and scoring
+
+
+async def _sample_all(urls: list[str], prompts: list[list[int]], settings: BenchmarkSettings,
+                      gen_cfg: Any, concurrency: int) -> list[list[Any]]:
+    """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
+    the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
+    from realscale.generate.client import InferenceClient
+
+    params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+              "top_p": settings.top_p}
+    gate = asyncio.Semaphore(concurrency)
+    async with InferenceClient(urls, request_timeout=gen_cfg.request_timeout,
+                               timeout_slack=gen_cfg.timeout_slack) as client:
+        async def one(ids: list[int]) -> Any:
+            async with gate:
+                return await client.generate(ids, dict(params))
+
+        tasks = [[asyncio.ensure_future(one(ids)) for _ in range(settings.samples)] for ids in prompts]
+        return [[await t for t in group] for group in tasks]
+
+
+async def _score_all(cfg: "Config", problems: list["PromptSample"], texts: list[list[str]]) -> list[list[Any]]:
+    from realscale.rollout.rewards import call_reward, reward_fn_for
+
+    async def group(sample: "PromptSample", outs: list[str]) -> list[Any]:
+        fn = reward_fn_for(cfg.reward, sample)
+        return list(await asyncio.gather(*(call_reward(fn, sample.prompt, t, sample,
+                                                       timeout=cfg.rollout.reward_timeout) for t in outs)))
+
+    return list(await asyncio.gather(*(group(p, t) for p, t in zip(problems, texts))))
+
+
+def _extracted(sample: "PromptSample", text: str) -> str | None:
+    if sample.answer is None:
+        return None  # code problems: no answer to vote on
+    from realscale.reward.math_extract import extract_answer
+
+    found = extract_answer(text)
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------- the evaluation
+
+
+def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, out_dir: str,
+                  urls: list[str] | None = None) -> BenchmarkResult:
+    """Evaluate ``model_dir`` on ``settings.data``; write per-problem records and the summary into ``out_dir``."""
+    from transformers import AutoTokenizer
+
+    from realscale.models.tiny import resolve_model_path
+    from realscale.rollout.rewards import close_reward_pools
+
+    model_dir = resolve_model_path(model_dir)
+    problems = load_problems(settings.data, cfg, settings.max_problems)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    backend = None
+    if not urls:
+        from realscale.launcher import backend_for
+
+        backend = backend_for(cfg, out_dir)
+        backend.prepare()
+        urls = backend.start_servers(model_dir, asdict(cfg))
+    try:
+        concurrency = max(1, cfg.generate.max_running_requests * len(urls))
+        results = asyncio.run(_sample_all(urls, prompts, settings, cfg.generate, concurrency))
+    finally:
+        if backend is not None:
+            backend.stop()
+    texts = [[tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in group] for group in results]
+    try:
+        verdicts = asyncio.run(_score_all(cfg, problems, texts))
+    finally:
+        close_reward_pools()
+    seconds = time.perf_counter() - start
+    return _finish(model_dir, problems, results, texts, verdicts, settings, seconds, out_dir)
+
+
+def _finish(model_dir: str, problems: list["PromptSample"], results: list[list[Any]], texts: list[list[str]],
+            verdicts: list[list[Any]], settings: BenchmarkSettings, seconds: float,
+            out_dir: str) -> BenchmarkResult:
+    correct = [[v.value > 0.5 for v in group] for group in verdicts]
+    keys = [[answer_key(_extracted(p, t)) for t in group] for p, group in zip(problems, texts)]
+    with_answers = all(p.answer is not None for p in problems)
+    metrics = aggregate(correct, keys if with_answers else None, settings.ks)
+    per_problem = os.path.join(out_dir, "per_problem.jsonl")
+    reasons: dict[str, int] = {}
+    truncated = tokens = 0
+    with open(per_problem, "w", encoding="utf-8") as fh:
+        for p, res, outs, verd, cor, kk in zip(problems, results, texts, verdicts, correct, keys):
+            for v in verd:
+                reasons[v.reason] = reasons.get(v.reason, 0) + 1
+            truncated += sum(r.finish_reason.get("type") == "length" for r in res)
+            tokens += sum(len(r.output_ids) for r in res)
+            fh.write(json.dumps({
+                "uid": p.uid, "prompt": p.prompt, "answer": p.answer, "completions": outs, "correct": cor,
+                "extracted": kk, "num_correct": sum(cor),
+                "pass@k": {str(k): pass_at_k(len(cor), sum(cor), k) for k in settings.ks},
+                "output_tokens": [len(r.output_ids) for r in res],
+                "finish_reasons": [r.finish_reason.get("type") for r in res],
+            }, ensure_ascii=False) + "\n")
+    n_answers = len(problems) * settings.samples
+    result = BenchmarkResult(model=model_dir, data=settings.data, num_problems=len(problems),
+                             samples=settings.samples, temperature=settings.temperature, top_p=settings.top_p,
+                             max_new_tokens=settings.max_new_tokens, metrics=metrics, seconds=seconds,
+                             output_tokens=tokens, truncated=truncated / n_answers, reward_reasons=reasons,
+                             per_problem=per_problem)
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump(asdict(result), fh, indent=1)
+    return result
+
+
+def settings_from_config(cfg: "Config", data: str | None = None) -> BenchmarkSettings:
+    """Benchmark settings from the ``eval`` section (``data`` overrides ``eval.data``)."""
+    e = cfg.eval
+    return BenchmarkSettings(data=data or e.data, samples=e.samples, ks=tuple(e.k), temperature=e.temperature,
+                             top_p=e.top_p, max_new_tokens=e.max_new_tokens or cfg.generate.max_new_tokens,
+                             max_problems=e.max_problems)

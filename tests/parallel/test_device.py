@@ -1,0 +1,49 @@
+"""The device rules (realscale/parallel/device.py), each one helper, and the collective
+buffers that use them: on CPU the helper says gloo/CPU, and every buffer that enters a
+collective is where the helper says (on GPUs the same calls give the current CUDA device)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from realscale.parallel.device import comm_device, comm_empty, devices_of_server, group_backend, to_comm
+
+
+def test_comm_device_and_buffers_on_cpu() -> None:
+    assert comm_device("gloo") == torch.device("cpu")
+    buf = comm_empty(5, torch.bfloat16, "gloo")
+    assert (buf.device, buf.dtype, buf.shape) == (comm_device("gloo"), torch.bfloat16, (5,))
+    t = torch.arange(6).view(2, 3).t()  # not contiguous
+    moved = to_comm(t, "gloo")
+    assert moved.is_contiguous() and moved.device == comm_device("gloo") and torch.equal(moved, t)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_nccl_needs_cuda() -> None:
+    from realscale.parallel.device import BackendError, backend
+
+    with pytest.raises(BackendError, match="parallel.backend=nccl needs CUDA"):
+        backend("nccl")
+    assert backend("auto") == "gloo"
+
+
+def test_group_backend_of_a_store_built_group() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=30))
+    assert group_backend(pg) == "gloo"
+
+
+def test_server_gpus_follow_the_trainers() -> None:
+    # trainer ranks 0..3 hold GPUs 0..3; server 1 of tp=2 starts at GPU 4 + 2
+    assert devices_of_server(4 + 1 * 2, 2) == "6,7"
+    assert devices_of_server(3, 1) == "3"
+
+
+def test_senders_and_resharder_put_their_buffers_where_the_helper_says() -> None:
+    from realscale.generate.weight_sync import WeightSender
+
+    assert WeightSender("127.0.0.1", 1, 2, backend="gloo").device == comm_device("gloo")

@@ -122,8 +122,7 @@ def measure(records: list[dict], warmup: int, poller: ServerPoller | None) -> di
 def predict(recipe: str, overrides: list[str], records: list[dict], profile: str, warmup: int) -> dict:
     from realscale.config import load_config
     from realscale.planner.hardware import load_profile
-    from realscale.sim.recipe import scenario_from_config
-    from realscale.sim.validate import WorkloadStats, fit_workload
+    from realscale.sim.validate import WorkloadStats, recipe_scenario
 
     cfg = load_config(recipe, overrides)
     steps = [r for r in records if "perf/step_s" in r]
@@ -139,15 +138,7 @@ def predict(recipe: str, overrides: list[str], records: list[dict], profile: str
         plan = Plan.load(cfg.parallel.plan)
     hw = load_profile(profile or ("benchmarks/results/cpu_profile.json" if cfg.launch.gpus_per_node == 0
                                   else cfg.launch.gpu))
-    sc = scenario_from_config(cfg, hw, plan=plan)
-    if cfg.data.source.startswith("task:"):
-        from realscale.sim.recipe import task_mix
-        from realscale.sim.workload import AcceptAll, Workload
-
-        mix, accept, fit = fit_workload(task_mix(cfg), stats, n)
-        w = sc.workload
-        sc.workload = Workload(w.batch, n, w.prompt_len, w.max_new_tokens, mix,
-                               accept if cfg.rollout.filter_all_equal else AcceptAll())
+    sc, _ = recipe_scenario(recipe, hw, stats, overrides, plan)
     res = sc.run(steps=len(steps), warmup=warmup)
     return {"profile": hw.name, "tokens_per_s": res.tokens_per_s, "generated_tokens_per_s": res.generated_tokens_per_s,
             "step_s": res.step_seconds, "weight_sync_s": res.weight_sync_s, "idle": res.idle,

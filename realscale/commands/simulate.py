@@ -5,11 +5,16 @@
     realscale simulate launch/slurm/plans/ppo_7b.yaml --recipe configs/r1_distill_qwen_7b_math.yaml
     realscale simulate configs/long_tail_cpu.yaml --profile benchmarks/results/cpu_profile.json
     realscale simulate configs/tiny_cpu.yaml --timeline --json
+    realscale simulate configs/tiny_cpu.yaml --weight-sync measured --batch-path measured
 
 Prints, for the recipe's η and for η = 0 on the same layout: effective training tokens/s
 (trained answer tokens / wall time), generated tokens/s, mean step seconds, idle fraction
 of the generation and training GPUs, weight-sync seconds, and their ratio; ``--timeline``
-adds every step. The simulator: realscale/sim/des.py; its step times: the planner's cost
+adds every step. The data-movement terms (realscale/sim/transfer.py) say where their
+figures come from: ``--weight-sync measured`` takes the resharder's cost measured by
+``benchmarks/bench_weight_sync.py`` instead of the link model, ``--batch-path measured``
+the rollout batch's transfer measured by ``benchmarks/bench_batch_transfer.py`` instead of
+the assumed link speed. The simulator: realscale/sim/des.py; its step times: the planner's cost
 model under the hardware profile (realscale/planner/hardware.py).
 """
 
@@ -38,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="RL steps to simulate")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight-sync", default="link",
+                        help="weight-sync cost: link (the resharder's plan at the profile's link speed), measured "
+                             "(benchmarks/results/bench_weight_sync.json) or measured:FILE")
+    parser.add_argument("--batch-path", default="assumed",
+                        help="rollout-batch transfer to the trainer ranks: assumed (the profile's IB speed), "
+                             "measured (benchmarks/results/bench_batch_transfer.json, scatter rows) or "
+                             "measured:FILE[:METHOD]")
     parser.add_argument("--timeline", action="store_true", help="print every step")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -86,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from realscale.planner.plan import Plan
     from realscale.sim.des import SimError
     from realscale.sim.recipe import parse_lengths, scenario_from_config
+    from realscale.sim.transfer import batch_cost, weight_cost
     from realscale.sim.workload import WorkloadError
 
     try:
@@ -103,13 +116,17 @@ def run(args: argparse.Namespace) -> int:
         hw = _profile(args, cfg)
         lengths = parse_lengths(args.lengths, cfg) if args.lengths else None
         sc = scenario_from_config(cfg, hw, plan=plan, lengths=lengths, accept=args.accept)
+        sc.weight_link, sc.batch_link = weight_cost(args.weight_sync), batch_cost(args.batch_path, hw)
         eta = sc.eta if args.eta < 0 else args.eta
         results = {f"eta={eta}": sc.run(args.steps, args.warmup, args.seed, eta=eta),
                    "eta=0": sc.run(args.steps, args.warmup, args.seed, eta=0)}
     except (OSError, LayoutError, HardwareError, SimError, WorkloadError) as exc:
         raise UsageError(str(exc)) from None
     head = {"recipe": recipe, "layout": sc.layout.describe(), "gpus": sc.layout.gpus, "profile": hw.name,
-            "model_params": sc.spec.n_params, "lengths": sc.workload.lengths.describe()}
+            "model_params": sc.spec.n_params, "lengths": sc.workload.lengths.describe(),
+            "weight_sync": sc.weight_link.describe() if sc.weight_link else
+            "the resharder's plan at the profile's link bandwidth x eff.link, + eff.weight_update_overhead_s",
+            "batch_path": sc.batch_link.describe()}
     if args.json:
         out = {**head, "runs": {k: {**r.summary(), **({"timeline": [t.__dict__ for t in r.timeline]}
                                                        if args.timeline else {})} for k, r in results.items()}}

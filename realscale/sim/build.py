@@ -5,9 +5,10 @@ profile's :class:`~realscale.planner.hardware.GPU` and
 :class:`~realscale.planner.hardware.Efficiency`: decode steps from
 :func:`~realscale.planner.cost.decode_step_seconds`, the trainer's step from
 :func:`~realscale.planner.cost.train_cost` for its (dp, tp, pp) and the batch it actually
-got, the weight update from the resharder's plan
-(:meth:`realscale.parallel.reshard.ReshardPlan.estimate_seconds`) plus the profile's
-pause/resume overhead. A server's KV-cache budget is what the cost model leaves free on
+got, the weight update from the resharder's plan (its bytes at the profile's link speed, or
+at the resharder's measured cost: :mod:`realscale.sim.transfer`) plus the profile's
+pause/resume overhead, and the rollout batch's move to the trainer ranks (assumed, or
+measured) before each step trains. A server's KV-cache budget is what the cost model leaves free on
 its GPUs (weights, a reserve for activations), unless a slot count bounds it first.
 """
 
@@ -22,6 +23,7 @@ from realscale.parallel.model_spec import ModelSpec
 from realscale.planner import cost as C
 from realscale.planner.hardware import HardwareProfile
 from realscale.sim.des import ServerModel, SimConfig, SimError, SimResult, TrainerModel, simulate
+from realscale.sim.transfer import LinkCost, assumed_batch_cost
 from realscale.sim.workload import Workload
 
 
@@ -76,9 +78,12 @@ def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
 
 
 def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb_tokens: int, minibatches: int,
-                  gpus_per_node: int, sync_seconds: float, ref: bool = False) -> TrainerModel:
-    """The trainer under the cost model: its step time for the batch it gets."""
+                  gpus_per_node: int, sync_seconds: float, ref: bool = False,
+                  batch_link: LinkCost | None = None) -> TrainerModel:
+    """The trainer under the cost model: its step time for the batch it gets, after the
+    batch's move to its ranks (``batch_link``; default :func:`assumed_batch_cost`)."""
     gpu, eff = hw.gpu, hw.eff
+    batch = batch_link if batch_link is not None else assumed_batch_cost(hw)
 
     def train_seconds(n: int, prompt_tokens: int, answer_tokens: int) -> float:
         gen = max(1, round(answer_tokens / n))
@@ -87,7 +92,7 @@ def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb
         rc = C.train_cost(spec, s, w, gpu, eff, gpus_per_node)
         if not math.isfinite(rc.seconds):
             raise SimError(f"trainer {s}: {rc.note} ({rc.mem_gb:.0f} GB per GPU)")
-        t = rc.seconds
+        t = rc.seconds + batch.seconds((prompt_tokens + answer_tokens) * batch.bytes_per_token)
         if ref:  # reference-model log-probs on the same GPUs, before the update
             t += C.infer_cost(spec, s, w, gpu, eff, gpus_per_node).seconds
         return t
@@ -96,21 +101,26 @@ def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb
 
 
 @functools.lru_cache(maxsize=256)
-def _reshard_seconds(spec: ModelSpec, src: Layout, dst: Layout, gpn: int, intra: float, inter: float) -> float:
+def _reshard(spec: ModelSpec, src: Layout, dst: Layout, gpn: int):  # noqa: ANN202 - ReshardPlan (deferred import)
     from realscale.parallel.reshard import plan_reshard
 
-    return plan_reshard(spec, src, dst, gpn).estimate_seconds(intra, inter)
+    return plan_reshard(spec, src, dst, gpn)
 
 
-def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout) -> float:
+def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight_link: LinkCost | None = None) -> float:
     """Weight update: the resharder's plan from the training layout to the servers, at link
-    speed times the profile's link efficiency, plus the pause/resume overhead."""
+    speed times the profile's link efficiency (``weight_link`` None) or at the measured
+    cost of its busiest GPU's bytes, plus the pause/resume overhead."""
     gen = Strategy(layout.gen_servers, layout.gen_tp, 1)
     start = 0 if layout.colocated else layout.gen_gpus
     src = Layout(Mesh(start, layout.train.world), layout.train)
     dst = Layout(Mesh(0, layout.gen_gpus), gen)
-    link = hw.eff.link
-    t = _reshard_seconds(spec, src, dst, layout.gpus_per_node, hw.gpu.nvlink_gbps * link, hw.gpu.ib_gbps * link)
+    plan = _reshard(spec, src, dst, layout.gpus_per_node)
+    if weight_link is None:
+        link = hw.eff.link
+        t = plan.estimate_seconds(hw.gpu.nvlink_gbps * link, hw.gpu.ib_gbps * link)
+    else:  # sends and receives overlap: the busiest direction of the busiest GPU
+        t = weight_link.seconds(max(plan.max_recv_bytes(), plan.max_send_bytes()))
     return t + hw.eff.weight_update_overhead_s
 
 
@@ -138,6 +148,8 @@ class Scenario:
     max_concurrent: int = 1 << 30
     interrupt: str = "recompute"
     ref: bool = False
+    weight_link: LinkCost | None = None  # None: the resharder's plan at the profile's link speed
+    batch_link: LinkCost | None = None   # None: assumed_batch_cost(hw)
 
     def models(self) -> tuple[ServerModel, TrainerModel]:
         lay = self.layout
@@ -146,12 +158,12 @@ class Scenario:
         server = server_model(self.spec, self.hw, lay.gen_tp, self.workload.prompt_len, self.max_running,
                               self.kv_budget)
         try:
-            sync = sync_seconds(self.spec, self.hw, lay)
+            sync = sync_seconds(self.spec, self.hw, lay, self.weight_link)
         except LayoutError as exc:
             raise SimError(f"{lay.describe()}: {exc}") from None
         trainer = trainer_model(self.spec, self.hw, lay.train, train_mb_tokens=self.train_mb_tokens,
                                 minibatches=self.minibatches, gpus_per_node=lay.gpus_per_node, sync_seconds=sync,
-                                ref=self.ref)
+                                ref=self.ref, batch_link=self.batch_link)
         return server, trainer
 
     def run(self, steps: int = 10, warmup: int = 3, seed: int = 0, eta: int | None = None,

@@ -100,17 +100,22 @@ def fit_workload(task_mix: TaskMix, stats: WorkloadStats, n_samples: int) -> tup
 
 
 def recipe_scenario(recipe: str, hw: HardwareProfile, stats: WorkloadStats,
-                    overrides: list[str] | None = None) -> tuple[Scenario, dict]:
-    """The recipe's run on the CPU profile with the workload of its measured runs."""
+                    overrides: list[str] | None = None, plan: Any = None) -> tuple[Scenario, dict]:
+    """The recipe's run on ``hw`` with the workload of its measured runs (a ``task:``
+    recipe's answers fitted to ``stats``; other recipes keep their length distribution)."""
     from realscale.config import load_config
     from realscale.sim.recipe import scenario_from_config, task_mix
 
     cfg = load_config(recipe, overrides or [])
-    mix, accept, fit = fit_workload(task_mix(cfg), stats, cfg.rollout.n_samples)
-    sc = scenario_from_config(cfg, hw, lengths=mix)
-    sc.workload = Workload(sc.workload.batch, sc.workload.n_samples, sc.workload.prompt_len,
-                           sc.workload.max_new_tokens, mix, accept if cfg.rollout.filter_all_equal else AcceptAll())
-    return sc, {**fit, "stats": stats.__dict__, "steps": cfg.run.total_steps}
+    sc = scenario_from_config(cfg, hw, plan=plan)
+    info: dict[str, Any] = {"stats": stats.__dict__, "steps": cfg.run.total_steps}
+    if cfg.data.source.startswith("task:"):
+        mix, accept, fit = fit_workload(task_mix(cfg), stats, cfg.rollout.n_samples)
+        w = sc.workload
+        sc.workload = Workload(w.batch, w.n_samples, w.prompt_len, w.max_new_tokens, mix,
+                               accept if cfg.rollout.filter_all_equal else AcceptAll())
+        info.update(fit)
+    return sc, info
 
 
 def predict_bench_async(hw: HardwareProfile, bench: dict[str, Any], seeds: int = 10) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from realscale.cli import main
 from realscale.parallel.mesh import Strategy
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.planner import cost as C
-from realscale.planner.calibrate import DECODE_BATCHES, DECODE_PROMPTS, TRAIN_POINTS, fit_profile, nelder_mead
+from realscale.planner.calibrate import (DECODE_BATCHES, DECODE_PROMPTS, REQUEST_BATCHES, TRAIN_POINTS, fit_profile,
+                                         nelder_mead)
 from realscale.planner.hardware import (GPU, PROFILES, SOURCE_KINDS, Efficiency, HardwareError, HardwareProfile,
                                         builtin_profile, load_profile)
 
@@ -87,6 +88,26 @@ def test_cpu_fit_recovers_the_constants_that_made_the_measurements() -> None:
     assert e.mfu_prefill == pytest.approx(0.2, rel=0.05)
     assert e.weight_update_overhead_s == pytest.approx(0.02, rel=0.01)
     assert prof.sources["eff.mfu_train"].kind == "fitted" and prof.sources["gpu.peak_tflops"].kind == "measured"
+
+
+def test_cpu_fit_takes_the_request_cost_from_the_request_points() -> None:
+    """With per-request points (server CPU over b 1-token requests) the request cost is their
+    slope, even with one point slowed by load, and the prefill cost is fitted to what is left."""
+    spec = spec_from_hf_config(TINY, itemsize=4)
+    device = {"matmul_gflops": 40.0, "copy_gbps": 8.0, "memory_gb": 24.0}
+    gpu = GPU("cpu", 0.04, 24.0, 0.008, 8.0, 8.0, 8.0)
+    truth = Efficiency(mfu_train=0.3, mfu_prefill=0.2, mfu_decode=0.25, hbm_decode=1.0, link=1.0, tp_overhead=0.0,
+                       collective_latency_s=0.0, decode_step_overhead_s=2e-3, decode_seq_overhead_s=5e-5,
+                       train_step_overhead_s=0.05, request_overhead_s=1.5e-3, weight_update_overhead_s=0.02)
+    decode, train, sync = _synthetic(spec, gpu, truth)
+    requests = [{"batch": b, "server_cpu_s": 4e-3 + b * 1.5e-3} for b in REQUEST_BATCHES]
+    requests[-1]["server_cpu_s"] *= 5  # a burst of load
+    prof = fit_profile("cpu", spec, device, decode, train, sync, {"train_mb_tokens": 512, "logprob_chunk_tokens": 1024},
+                       requests=requests)
+    assert prof.eff.request_overhead_s == pytest.approx(1.5e-3, rel=1e-6)
+    assert prof.eff.mfu_prefill == pytest.approx(0.2, rel=0.05)
+    assert "concurrent 1-token requests" in prof.sources["eff.request_overhead_s"].ref
+    assert prof.measurements["requests"] == requests
 
 
 def test_nelder_mead_minimises_a_quadratic() -> None:

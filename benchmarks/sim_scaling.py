@@ -58,10 +58,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
         cal = P.calibrated_at(builtin_profile("H800"), np.array(json.loads(args.at), np.float64), args.sample)
     else:
-        cal = P.calibrate(iters=args.iters, sample=args.sample, max_evals=args.max_evals, log=print)
+        start = tuple(json.loads(args.start)) if args.start else P.X0
+        cal = P.calibrate(iters=args.iters, sample=args.sample, max_evals=args.max_evals, log=print, start=start,
+                          step=args.step)
     err, detail = P.calibration_error(cal, args.sample)
     out = cal.to_dict()
     cmd = f"python benchmarks/sim_scaling.py calibrate --max-evals {args.max_evals}"
+    if args.start:
+        cmd += f" --start '{args.start}' --step {args.step}"
     if args.at:
         cmd = (f"python benchmarks/sim_scaling.py calibrate --at '{args.at}' (the best of the first "
                f"{args.max_evals} evaluations of `{cmd}`, benchmarks/results/sim_calibration_log.txt)")
@@ -226,6 +230,9 @@ def main() -> int:
     c.add_argument("--iters", type=int, default=150)
     c.add_argument("--max-evals", type=int, default=110, help="stop after this many simulations of the 17 figures")
     c.add_argument("--at", default="", help="skip the search: JSON list of the 5 log parameters (a search log's best)")
+    c.add_argument("--start", default="", help="JSON list of the 5 log parameters to start the search from "
+                                              "(default: paper.X0)")
+    c.add_argument("--step", type=float, default=0.4, help="the search's initial simplex size (log units)")
     c.add_argument("--sample", type=float, default=0.25)
     p = sub.add_parser("predict")
     p.add_argument("--sample", type=float, default=0.25)

@@ -1,8 +1,13 @@
 """The step-time simulator against our measured CPU runs (issue 19, item 2).
 
-    python -m realscale profile --out benchmarks/results/cpu_profile.json   # measure the CPU profile (~5 min)
-    python benchmarks/sim_validate.py --measure-default                      # a default-recipe run (~5 min)
-    python benchmarks/sim_validate.py                                        # predict, compare, write JSON
+    python -m realscale profile --repeats 7 --out benchmarks/results/cpu_profile.json  # the CPU profile (~12 min)
+    nice -n -20 python benchmarks/sim_validate.py --measure-default     # a default-recipe run (~5 min)
+    python benchmarks/sim_validate.py                                   # predict, compare, write JSON
+
+The profile times CPU (what each component costs with a core of its own), as the runs
+predicted had it: bench_async's ran on an otherwise idle machine. On a shared machine the
+default-recipe run needs the same; ``nice -n -20`` (root) gives its processes the cores
+ahead of other jobs, and the result records the load and the niceness it ran at.
 
 Predicts, from the measured profile alone (no fit to the numbers predicted), (1) the
 async/sync throughput ratio of bench_async (ten seeds, committed) and (2) the default
@@ -41,10 +46,12 @@ def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
         cfg = load_config(recipe, overrides)
         summary = summarize_run(os.path.join(work, "default"), cfg.run.total_steps)
         summary["steps"] = cfg.run.total_steps
-        result = {"benchmark": "default_recipe_run", "command": f"python benchmarks/sim_validate.py --measure-default",
+        nice = os.nice(0)
+        cmd = ("nice -n {} ".format(nice) if nice else "") + "python benchmarks/sim_validate.py --measure-default"
+        result = {"benchmark": "default_recipe_run", "command": cmd,
                   "recipe": recipe, "overrides": overrides, "summary": summary, "command_seconds": t,
-                  "machine": {"cpus": os.cpu_count(), "load_avg_1_5_15": {"start": load,
-                                                                          "end": [round(x, 2) for x in os.getloadavg()]}},
+                  "machine": {"cpus": os.cpu_count(), "niceness": nice,
+                              "load_avg_1_5_15": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}},
                   "date": time.strftime("%Y-%m-%d %H:%M")}
         with open(out, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
@@ -81,6 +88,9 @@ def main() -> int:
         print(f"{'  ' + k + ' trained tokens/s (mean of seeds)':<44} {meas:>10.0f} {pred:>10.0f} {pred / meas - 1:>+8.1%}")
     print(f"{'default recipe mean step (s)':<44} {d['measured_step_s']:>10.2f} {d['predicted_step_s']:>10.2f} "
           f"{d['error']:>+8.1%}")
+    for k in ("train_s", "weight_sync_s", "wait_rollout_s"):
+        meas, pred = d["per_step"]["measured"][k], d["per_step"]["predicted"][k]
+        print(f"{'  ' + k + ' per step':<44} {meas:>10.2f} {pred:>10.2f} {pred / max(meas, 1e-9) - 1:>+8.1%}")
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
     print(f"wrote {args.out}")

@@ -30,14 +30,19 @@ weight sync spans two processes and HTTP, so it is timed by the wall clock.
   of the server's CPU time over ``b`` is its cost per request (HTTP, JSON, scheduling: in
   one process with the engine and its GIL, it holds up decoding), the client's CPU time
   per request is kept beside it;
+- **rollout side**: the run's real rollout controller, workflow and reward workers
+  (:func:`realscale.rollout.factory.build_controller`) against that server for
+  :data:`ROLLOUT_SECONDS`, no trainer: their CPU time per finished request
+  (``eff.client_request_cpu_s``), the host CPU each request costs outside the server; with
+  ``gpu.host_cores`` (this machine's CPUs) the simulator makes the roles share the cores;
 - **weight sync**: the trainer's real update path into that server
   (:class:`realscale.generate.publish.WeightPublisher` with the transport
   ``generate.weight_update`` selects: for the embedded server the resharder; pause in the
   recipe's pause mode, move, resume).
 
 Then the cost model's constants are fitted to them (:func:`fit_profile`, least squares on
-log times): ``eff.decode_step_overhead_s``, ``eff.decode_seq_overhead_s`` and
-``eff.mfu_decode`` to the decode steps through
+log times): ``eff.decode_step_overhead_s``, ``eff.decode_seq_overhead_s``,
+``eff.decode_ctx_overhead_s`` and ``eff.mfu_decode`` to the decode steps through
 :func:`realscale.planner.cost.decode_step_seconds`; ``eff.mfu_train`` and
 ``eff.train_step_overhead_s`` to the train steps through
 :func:`realscale.planner.cost.train_cost`; ``eff.request_overhead_s`` to the requests
@@ -61,7 +66,7 @@ from realscale.planner.hardware import GPU, Efficiency, HardwareProfile, Source
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 DECODE_PROMPTS = (16, 160, 320)
-DECODE_NEW = (8, 72)
+DECODE_NEW = (8, 136)
 REQUEST_BATCHES = (1, 8, 32, 64)
 TRAIN_POINTS = ((1024, 96, 1), (2048, 96, 1), (4096, 96, 1), (2048, 32, 4), (4096, 32, 4), (8192, 32, 4))
 
@@ -122,7 +127,8 @@ def _log_sq(pred: list[float], meas: list[float]) -> float:
 
 def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dict[str, float]],
                 train: list[dict[str, float]], sync: dict[str, float], train_settings: dict[str, int],
-                meta: dict[str, Any] | None = None, requests: list[dict[str, float]] | None = None) -> HardwareProfile:
+                meta: dict[str, Any] | None = None, requests: list[dict[str, float]] | None = None,
+                rollout: dict[str, float] | None = None) -> HardwareProfile:
     """A :class:`HardwareProfile` whose cost-model predictions fit these measurements
     (``requests``: the per-request points; without them the per-request cost is fitted
     jointly with the prefill cost to the first-token times)."""
@@ -131,19 +137,20 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
 
     gpu = GPU(name, peak_tflops=device["matmul_gflops"] / 1e3, hbm_gb=device["memory_gb"],
               hbm_tbps=device["copy_gbps"] / 1e3, nvlink_gbps=device["copy_gbps"], ib_gbps=device["copy_gbps"],
-              pcie_gbps=device["copy_gbps"])
+              pcie_gbps=device["copy_gbps"], host_cores=float(device.get("cpus", 0)) if rollout else 0.0)
     base = Efficiency(hbm_decode=1.0, link=1.0, tp_overhead=0.0, collective_latency_s=0.0)
 
     def decode_eff(x: np.ndarray) -> Efficiency:
         return Efficiency(**{**base.__dict__, "decode_step_overhead_s": math.exp(x[0]),
-                             "decode_seq_overhead_s": math.exp(x[1]), "mfu_decode": min(1.0, math.exp(x[2]))})
+                             "decode_seq_overhead_s": math.exp(x[1]), "mfu_decode": min(1.0, math.exp(x[2])),
+                             "decode_ctx_overhead_s": math.exp(x[3])})
 
     def decode_err(x: np.ndarray) -> float:
         eff = decode_eff(x)
         return _log_sq([C.decode_step_seconds(spec, 1, d["batch"], d["ctx"], gpu, eff) for d in decode],
                        [d["step_s"] for d in decode])
 
-    xd, _ = nelder_mead(decode_err, np.log([1e-3, 1e-5, 0.1]), step=1.0, iters=800)
+    xd, _ = nelder_mead(decode_err, np.log([1e-3, 1e-5, 0.1, 1e-8]), step=1.0, iters=1200)
     eff = decode_eff(xd)
 
     def train_eff(x: np.ndarray) -> Efficiency:
@@ -172,7 +179,8 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
     mfu = C.fwd_flops_per_token(spec, DECODE_PROMPTS[1]) / (gpu.peak_tflops * 1e12 * per_token)
     eff = Efficiency(**{**eff.__dict__, "mfu_prefill": min(1.0, mfu), "request_overhead_s": max(0.0, float(per_request))})
     transfer = spec.n_params * spec.itemsize / (gpu.nvlink_gbps * 1e9 * eff.link)
-    eff = Efficiency(**{**eff.__dict__, "weight_update_overhead_s": max(0.0, sync["seconds"] - transfer)})
+    eff = Efficiency(**{**eff.__dict__, "weight_update_overhead_s": max(0.0, sync["seconds"] - transfer),
+                        "client_request_cpu_s": rollout["client_cpu_per_request_s"] if rollout else 0.0})
     m = "measured on this machine by `realscale profile`, CPU time"
     f = "fitted (least squares on log times) to the decode steps `realscale profile` measured (server CPU time)"
     sources = {"gpu.peak_tflops": Source("measured", f"one-thread fp32 matmul ({m})"),
@@ -181,6 +189,11 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
                "gpu.nvlink_gbps": Source("measured", "memory copy: one machine has no link"),
                "gpu.ib_gbps": Source("measured", "memory copy: one machine has no link"),
                "gpu.pcie_gbps": Source("measured", "memory copy"),
+               "gpu.host_cores": Source("measured", "os.cpu_count(): every role of a run shares them")
+               if rollout else Source("assumed", "0: no rollout-side measurement, the host is not modelled as shared"),
+               "eff.client_request_cpu_s": Source("measured", "CPU time of the real rollout controller, workflow and "
+                                                              "reward workers per finished request")
+               if rollout else Source("assumed", "0: not measured"),
                "eff.hbm_decode": Source("assumed", "1: the copy bandwidth is the attainable one"),
                "eff.link": Source("assumed", "1: loopback gloo; the sync's rest is in weight_update_overhead_s"),
                "eff.tp_overhead": Source("assumed", "0: one rank"),
@@ -188,6 +201,7 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
                "eff.recompute_cost": Source("assumed", "not measured on CPU (the CPU recipes do not recompute)"),
                "eff.decode_step_overhead_s": Source("fitted", f),
                "eff.decode_seq_overhead_s": Source("fitted", f),
+               "eff.decode_ctx_overhead_s": Source("fitted", f),
                "eff.mfu_decode": Source("fitted", f),
                "eff.mfu_train": Source("fitted", "fitted to the Megatron train steps `realscale profile` measured (CPU time)"),
                "eff.train_step_overhead_s": Source("fitted", "fitted to the Megatron train steps"),
@@ -199,7 +213,8 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
                                                                   "transport) + resume, less the bytes at copy "
                                                                   "bandwidth")}
     measurements = {"device": device, "decode": decode, "train": train, "sync": sync,
-                    "train_settings": train_settings, **({"requests": requests} if requests else {}), **(meta or {})}
+                    "train_settings": train_settings, **({"requests": requests} if requests else {}),
+                    **({"rollout": rollout} if rollout else {}), **(meta or {})}
     return HardwareProfile(name, gpu, eff, sources, measurements)
 
 
@@ -222,7 +237,7 @@ def measure_device(threads: int = 1) -> dict[str, float]:
     dst = torch.empty_like(src)
     t = min(_times(lambda: dst.copy_(src), 7, time.process_time))
     return {"matmul_gflops": gflops, "copy_gbps": 2 * src.numel() / t / 1e9,  # read + write
-            "memory_gb": psutil.virtual_memory().total / 1e9, "threads": threads}
+            "memory_gb": psutil.virtual_memory().total / 1e9, "threads": threads, "cpus": os.cpu_count() or 1}
 
 
 def _times(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
@@ -261,9 +276,11 @@ async def _timed_batch(client: Any, batch: int, prompt: int, new: int, vocab: in
     return server_cpu() - c0, time.perf_counter() - t0, time.process_time() - k0
 
 
-async def _request_points(url: str, vocab: int, repeats: int, server_cpu: Callable[[], float]) -> list[dict[str, float]]:
-    """``b`` concurrent requests of a 4-token prompt for 1 new token, each ``b`` ``repeats``
-    times (shuffled); the quickest server CPU, client CPU and wall time of each."""
+async def _request_points(url: str, vocab: int, repeats: int, server_cpu: Callable[[], float],
+                          rounds: int = 8) -> list[dict[str, float]]:
+    """``b`` concurrent requests of a 4-token prompt for 1 new token, ``rounds`` times in a
+    row per timing (the kernel counts CPU time in 10 ms ticks), each ``b`` ``repeats`` times
+    (shuffled); per round, the quickest server CPU, client CPU and wall time of each ``b``."""
     import random
 
     from realscale.generate.client import InferenceClient
@@ -273,7 +290,11 @@ async def _request_points(url: str, vocab: int, repeats: int, server_cpu: Callab
     got: dict[int, list[tuple[float, float, float]]] = {}
     async with InferenceClient([url]) as client:
         for b, r in runs:
-            got.setdefault(b, []).append(await _timed_batch(client, b, 4, 1, vocab, 1000 + r, server_cpu))
+            total = [0.0, 0.0, 0.0]
+            for k in range(rounds):
+                for i, x in enumerate(await _timed_batch(client, b, 4, 1, vocab, 1000 + rounds * r + k, server_cpu)):
+                    total[i] += x / rounds
+            got.setdefault(b, []).append((total[0], total[1], total[2]))
     return [{"batch": b, "server_cpu_s": min(t[0] for t in got[b]), "wall_s": min(t[1] for t in got[b]),
              "client_cpu_s": min(t[2] for t in got[b])} for b in REQUEST_BATCHES]
 
@@ -379,6 +400,57 @@ def _sync_times(cfg: Any, engine: Any, url: str, repeats: int) -> list[float]:
         control.close()
 
 
+ROLLOUT_SECONDS = 30.0
+ROLLOUT_MAX_NEW = 64  # answers of a random-weight model run to the cap; keep them near a real run's length
+
+
+def _rollout_cpu(cfg: Any, model_dir: str, url: str, work_dir: str, server_pid: int,
+                 seconds: float = ROLLOUT_SECONDS) -> dict[str, float]:
+    """The run's real rollout side (controller, workflow, reward workers) against the server
+    for ``seconds`` at the recipe's concurrency (no staleness limit, no trainer): CPU time of
+    this process (the controller's thread) and its children other than the server (the
+    reward workers), per finished request."""
+    import copy
+
+    import psutil
+
+    from realscale.rollout.factory import build_controller
+
+    c = copy.deepcopy(cfg)
+    c.rollout.max_staleness = 1 << 20  # keep max_concurrent groups in flight
+    c.generate.max_new_tokens = ROLLOUT_MAX_NEW
+    me = psutil.Process()
+
+    def client_cpu() -> float:
+        procs = [me] + [p for p in me.children(recursive=True) if p.pid != server_pid]
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # a worker that just exited: its time is lost either way
+                pass
+        return total
+
+    ctl = build_controller(c, model_dir, [url], os.path.join(work_dir, "rollout"))
+    ctl.start()
+    try:
+        ctl.get_batch(c.rollout.batch_size, timeout=600)  # reward workers up, pipeline full
+        before, t0, server0 = ctl.stats(), time.perf_counter(), _process_cpu(server_pid)()
+        cpu0 = client_cpu()
+        while time.perf_counter() - t0 < seconds:
+            ctl.get_batch(c.rollout.batch_size, timeout=600)
+        cpu1, after = client_cpu(), ctl.stats()
+        wall, server = time.perf_counter() - t0, _process_cpu(server_pid)() - server0
+    finally:
+        ctl.stop()
+    groups = (after["submitted"] - after["running"]) - (before["submitted"] - before["running"])  # finished
+    requests = max(1, groups * c.rollout.n_samples)
+    return {"seconds": wall, "requests": requests, "client_cpu_s": cpu1 - cpu0, "server_cpu_s": server,
+            "client_cpu_per_request_s": (cpu1 - cpu0) / requests,
+            "generated_tokens": after.get("generated_tokens", 0) - before.get("generated_tokens", 0)}
+
+
 def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats: int = 5,
                         name: str = "cpu") -> HardwareProfile:
     """Measure this machine with the recipe's model (see the module docstring) and fit."""
@@ -410,6 +482,7 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
         server_cpu = _process_cpu(servers[0].proc.pid)
         decode = asyncio.run(_decode_points(servers[0].url, int(hf["vocab_size"]), repeats, server_cpu))
         requests = asyncio.run(_request_points(servers[0].url, int(hf["vocab_size"]), repeats, server_cpu))
+        rollout = _rollout_cpu(cfg, model_dir, servers[0].url, work_dir, servers[0].proc.pid)
         rank = run_distributed(_trainer_rank, 1, cfg, model_dir, servers[0].url, threads, repeats, prompt_len,
                                timeout=1800)[0]
     finally:
@@ -420,4 +493,4 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
                                                              "num_key_value_heads", "intermediate_size", "vocab_size")},
             "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M")}
-    return fit_profile(name, spec, device, decode, rank["train"], rank["sync"], settings, meta, requests)
+    return fit_profile(name, spec, device, decode, rank["train"], rank["sync"], settings, meta, requests, rollout)

@@ -238,7 +238,9 @@ def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Calla
 
     The step is the slower of reading the weights and the batch's KV cache from HBM and
     the batch's matmul + attention FLOPs, plus two all-reduces per layer under tp, a fixed
-    per-step overhead and a per-request one."""
+    per-step overhead, a per-request one and one per request and context token (0 on GPUs;
+    on a CPU, attention's cache gather, mask and softmax add to the matmuls rather than
+    overlapping them)."""
     w_bytes = spec.n_params * spec.itemsize / tp
     kv_tok = kv_bytes_per_token(spec, tp)
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_decode
@@ -248,11 +250,12 @@ def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Calla
     comm_per_seq = 2 * spec.n_layers * _ring(spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff) if tp > 1 else 0.0
     fixed = comm_fixed + eff.decode_step_overhead_s
     per_seq = comm_per_seq + eff.decode_seq_overhead_s
+    per_ctx = eff.decode_ctx_overhead_s
 
     def step(batch: float, ctx: float) -> float:
         t_mem = (w_bytes + batch * ctx * kv_tok) / hbm
         t_flops = batch * (f_params + f_ctx * ctx) / flops_rate
-        return (t_mem if t_mem > t_flops else t_flops) + fixed + batch * per_seq
+        return (t_mem if t_mem > t_flops else t_flops) + fixed + batch * (per_seq + ctx * per_ctx)
 
     return step
 

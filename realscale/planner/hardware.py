@@ -42,6 +42,9 @@ class GPU:
     nvlink_gbps: float   # per GPU per direction, GB/s
     ib_gbps: float       # per GPU per direction across nodes, GB/s
     pcie_gbps: float = 25.0  # host <-> device, for offloading optimizer states
+    # CPUs shared by every role on one host (a CPU machine: servers, trainer, controller and
+    # reward workers compete for them); 0: each role has its own devices (GPUs), not modelled
+    host_cores: float = 0.0
 
 
 PROFILES: dict[str, GPU] = {
@@ -74,6 +77,8 @@ class Efficiency:
     decode_seq_overhead_s: float = 0.0      # per running request per decode step (sampling, bookkeeping)
     train_step_overhead_s: float = 0.0      # per optimizer step (optimizer update, schedule set-up)
     request_overhead_s: float = 0.0         # server time per request admitted (HTTP, scheduling)
+    client_request_cpu_s: float = 0.0       # host CPU per request outside the server (controller, reward)
+    decode_ctx_overhead_s: float = 0.0      # per running request and context token per decode step
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,12 @@ EFFICIENCY_SOURCES: dict[str, Source] = {
     "decode_seq_overhead_s": Source("assumed", "0 on GPUs: SGLang samples the whole batch in one kernel"),
     "train_step_overhead_s": Source("assumed", "0 on GPUs: the optimizer step is folded into mfu_train"),
     "request_overhead_s": Source("assumed", "0 on GPUs: SGLang's tokenizer and HTTP run outside the scheduler"),
+    "decode_ctx_overhead_s": Source("assumed", "0 on GPUs: attention reads the KV cache at HBM speed (the memory "
+                                               "term)"),
+    "client_request_cpu_s": Source("assumed", "0 on GPUs: the controller's host CPUs are not a shared bottleneck "
+                                              "(gpu.host_cores 0)"),
 }
+_HOST = Source("assumed", "0: every role on its own GPUs; host CPUs are not modelled as shared")
 
 
 def load_profiles(path: str) -> dict[str, GPU]:
@@ -161,7 +171,7 @@ def load_profiles(path: str) -> dict[str, GPU]:
         base = dataclasses.asdict(out[gpu]) if gpu in out else {}
         base.update({k: float(v) for k, v in fields.items()})
         base["name"] = str(gpu)
-        missing = names - set(base) - {"pcie_gbps"}  # pcie has a default
+        missing = names - set(base) - {"pcie_gbps", "host_cores"}  # these have defaults
         if missing:
             raise HardwareError(f"{path}: new profile {gpu!r} lacks {sorted(missing)}")
         out[str(gpu)] = GPU(**base)
@@ -224,6 +234,7 @@ def builtin_profile(name: str) -> HardwareProfile:
     """A built-in GPU with the assumed efficiencies, every constant labelled."""
     gpu = get_gpu(name)
     sources = {f"gpu.{k}": v for k, v in GPU_SOURCES.get(gpu.name, {}).items()}
+    sources.setdefault("gpu.host_cores", _HOST)
     sources.update({f"eff.{k}": v for k, v in EFFICIENCY_SOURCES.items()})
     return HardwareProfile(gpu.name, gpu, Efficiency(), sources)
 

@@ -57,8 +57,9 @@ SGLANG_RESERVE_RATIO = 0.1  # assumed: SGLang's new_token_ratio decays from 0.7 
 
 def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
                  max_running: int = 1 << 30, kv_budget: bool = True,
-                 reserve_ratio: float = SGLANG_RESERVE_RATIO) -> ServerModel:
-    """One generation server of ``tp`` GPUs under the cost model."""
+                 reserve_ratio: float = SGLANG_RESERVE_RATIO, padded: bool = False) -> ServerModel:
+    """One generation server of ``tp`` GPUs under the cost model (``padded``: attention over
+    the batch padded to its longest context, as the embedded server computes it)."""
     gpu, eff = hw.gpu, hw.eff
     kv_tokens = math.inf
     if kv_budget:
@@ -74,7 +75,7 @@ def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
         return tokens * prefill_flops / (peak * eff.mfu_prefill) + requests * eff.request_overhead_s
 
     return ServerModel(decode, prefill, max_running=max_running, kv_tokens=kv_tokens, reserve_ratio=reserve_ratio,
-                       gpus=tp)
+                       gpus=tp, padded=padded)
 
 
 def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb_tokens: int, minibatches: int,
@@ -97,7 +98,8 @@ def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb
             t += C.infer_cost(spec, s, w, gpu, eff, gpus_per_node).seconds
         return t
 
-    return TrainerModel(train_seconds, sync_seconds, s.world)
+    return TrainerModel(train_seconds, sync_seconds, s.world,
+                        abort_seconds=eff.request_overhead_s + eff.client_request_cpu_s)
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,6 +150,7 @@ class Scenario:
     max_concurrent: int = 1 << 30
     interrupt: str = "recompute"
     ref: bool = False
+    padded_attention: bool = False       # the embedded server: decode attends over the longest context
     weight_link: LinkCost | None = None  # None: the resharder's plan at the profile's link speed
     batch_link: LinkCost | None = None   # None: assumed_batch_cost(hw)
 
@@ -156,7 +159,7 @@ class Scenario:
         if lay.train.tp > lay.gpus_per_node or lay.gen_tp > lay.gpus_per_node:
             raise SimError(f"{lay.describe()}: a tp group spans nodes of {lay.gpus_per_node} GPUs")
         server = server_model(self.spec, self.hw, lay.gen_tp, self.workload.prompt_len, self.max_running,
-                              self.kv_budget)
+                              self.kv_budget, padded=self.padded_attention)
         try:
             sync = sync_seconds(self.spec, self.hw, lay, self.weight_link)
         except LayoutError as exc:
@@ -187,13 +190,14 @@ class Scenario:
             w = Workload(batch, w.n_samples, w.prompt_len, w.max_new_tokens, w.lengths, w.accept)
             full = trainer.train_seconds
             trainer = TrainerModel(lambda n, p, a: full(round(n / f), round(p / f), round(a / f)),
-                                   trainer.sync_seconds, trainer.gpus)
+                                   trainer.sync_seconds, trainer.gpus, trainer.abort_seconds / f)
         else:
             f = 1.0
         cfg = SimConfig(w, eta, servers, max_concurrent=max(1, round(self.max_concurrent * f)),
                         steps=steps, warmup=warmup, interrupt=self.interrupt, colocated=self.layout.colocated,
                         switch_seconds=switch_seconds(self.spec, self.hw, self.layout) if self.layout.colocated else 0.0,
-                        seed=seed)
+                        seed=seed, host_cores=self.hw.gpu.host_cores,
+                        client_cpu_per_request=self.hw.eff.client_request_cpu_s)
         res = simulate(cfg, server, trainer)
         if f < 1.0:
             res.tokens_per_s /= f

@@ -6,7 +6,10 @@ What is simulated, event by event (times in seconds):
   each iteration admits waiting requests into free slots (prefill), then runs one batched
   decode step for every running request; a request leaves when its answer is complete.
   Decode step time comes from :class:`ServerModel` (the planner's cost model, or a CPU
-  profile fitted to measured steps) as a function of the batch size and the mean context.
+  profile fitted to measured steps) as a function of the batch size and the mean context
+  (paged attention: SGLang, vLLM), or the longest context in the batch for a server whose
+  attention runs over the batch padded to its longest row (``padded``: realscale's
+  embedded server, ``realscale/generate/decoder.py``).
   A server with a KV-cache budget admits only what fits and retracts its newest request
   when the running ones outgrow it (SGLang's behaviour).
   Between events a server advances many steps at once: with the batch fixed, the step
@@ -25,10 +28,20 @@ What is simulated, event by event (times in seconds):
   move the weights (:attr:`TrainerModel.sync_seconds`), bump the version, resume. With
   ``interrupt="recompute"`` an interrupted request's KV cache is recomputed under the new
   weights when it resumes (AReaL's interruptible rollout: a prefill of prompt + partial
-  answer); ``"in_place"`` keeps it (SGLang's in-place pause, the embedded server's
-  ``pause_mode: in_place``).
+  answer), and each request in a server when it pauses is aborted and answered with its
+  partial output, which costs the pause :attr:`TrainerModel.abort_seconds` per request
+  (the server's and the client's per-request cost; 0 on GPUs); ``"in_place"`` keeps them
+  (SGLang's in-place pause, the embedded server's ``pause_mode: in_place``).
 - **Colocated** runs (verl, ReaL): the same GPUs generate and train in turn; only η = 0 is
   meaningful there, and the step adds the cost of switching (``switch_seconds``).
+- **A shared host** (``host_cores`` > 0: a CPU machine, where every role runs on the same
+  few cores): processor sharing. Each decoding server demands one core, plus the host CPU
+  its requests cost outside it (``client_cpu_per_request``: controller, workflow, reward
+  workers; requests per second taken as its tokens per second over the mean answer
+  length); the trainer demands one core while it trains. With demand ``D`` above the
+  ``C`` cores every role runs at ``C / D`` of its speed. A server's speed is set when it
+  plans a chunk (the trainer starting cuts every chunk at its next step), the trainer's
+  when it starts a step. On GPUs ``host_cores`` is 0 and nothing is shared.
 
 Outputs (:class:`SimResult`): effective training throughput (trained answer tokens / wall
 time, the AReaL paper's metric and ``perf/trained_tokens_per_s`` of our runs), generated
@@ -73,6 +86,7 @@ class ServerModel:
     kv_tokens: float = math.inf                  # tokens the KV cache holds
     reserve_ratio: float = 0.1                   # share of remaining budgets held back on admission
     gpus: int = 1                                # GPUs per server (its tp)
+    padded: bool = False                         # attention over the batch padded to its longest context
 
 
 @dataclass
@@ -82,6 +96,7 @@ class TrainerModel:
     train_seconds: Callable[[int, int, int], float]  # (sequences, prompt tokens, answer tokens) -> s
     sync_seconds: float                              # pause + move weights + resume
     gpus: int = 1
+    abort_seconds: float = 0.0                       # per request aborted by a pause (interrupt="recompute")
 
 
 @dataclass
@@ -96,6 +111,8 @@ class SimConfig:
     colocated: bool = False           # servers and trainer share GPUs (synchronous only)
     switch_seconds: float = 0.0       # colocated: per-step cost of switching roles
     seed: int = 0
+    host_cores: float = 0.0           # > 0: every role shares these cores (module docstring)
+    client_cpu_per_request: float = 0.0  # host CPU seconds per request outside the servers
 
     def __post_init__(self) -> None:
         if self.eta < 0 or self.n_servers < 1 or self.steps < 1 or not 0 <= self.warmup < self.steps:
@@ -105,6 +122,9 @@ class SimConfig:
             raise SimError(f"sim: interrupt {self.interrupt!r} is not in_place or recompute")
         if self.colocated and self.eta:
             raise SimError("sim: colocated runs alternate generation and training; eta must be 0")
+        if self.host_cores < 0 or self.client_cpu_per_request < 0:
+            raise SimError(f"sim: need host_cores >= 0 and client_cpu_per_request >= 0, got {self.host_cores}, "
+                           f"{self.client_cpu_per_request}")
 
 
 @dataclass
@@ -168,7 +188,7 @@ class _Group:
 
 class _Server:
     __slots__ = ("idx", "running", "heap", "waiting", "step", "ctx_sum", "token", "active", "t_start", "t0",
-                 "st", "k", "boundary", "paused", "busy")
+                 "st", "k", "boundary", "paused", "busy", "demand")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -186,6 +206,7 @@ class _Server:
         self.boundary = False   # the chunk was cut short at a step boundary
         self.paused = False
         self.busy = 0.0
+        self.demand = 0.0       # cores of a shared host its current chunk demands
 
 
 class Simulation:
@@ -207,6 +228,7 @@ class Simulation:
         self.trainer_busy = False
         self.train_busy = 0.0
         self.sync_busy = 0.0
+        self.sync_count = 0
         self.last_step_end = 0.0
         self.timeline: list[StepRecord] = []
         self.submitted = self.accepted = 0
@@ -216,6 +238,8 @@ class Simulation:
         if server.kv_tokens < w.prompt_len + w.max_new_tokens:
             raise SimError(f"sim: one request ({w.prompt_len} + {w.max_new_tokens} tokens) does not fit a server's "
                            f"KV cache of {server.kv_tokens:.0f} tokens")
+        self.mean_len = max(1.0, w.mean_length())
+        self.training = False   # the trainer computes (not waiting, not syncing)
         self.trained_lens: list[int] = []
         self.stale: collections.Counter[int] = collections.Counter()
         self.snap: dict[str, float] = {}
@@ -304,13 +328,33 @@ class Simulation:
                     continue
                 k = max(1, min(k, room))
             srv.k = max(1, k)
-            srv.st = self.sm.decode_step(b, srv.ctx_sum / b + srv.k / 2)
+            st = self.sm.decode_step(b, self._context(srv) + srv.k / 2)
+            srv.demand = 1.0 + self.cfg.client_cpu_per_request * b / (st * self.mean_len)
+            speed = self._speed(srv.demand)
+            srv.st = st / speed
             srv.t_start = self.now
-            srv.t0 = self.now + (self.sm.prefill(prefill_tokens, admitted) if prefill_tokens or admitted else 0.0)
+            pre = self.sm.prefill(prefill_tokens, admitted) / speed if prefill_tokens or admitted else 0.0
+            srv.t0 = self.now + pre
             srv.token += 1
             srv.active, srv.boundary = True, False
             self._push(srv.t0 + srv.k * srv.st, _CHUNK, srv.idx, srv.token)
             return
+
+    def _context(self, srv: _Server) -> float:
+        """The context a decode step of ``srv`` attends over now: the running requests'
+        mean, or their longest for a padded server."""
+        if not self.sm.padded:
+            return srv.ctx_sum / len(srv.running)
+        return float(max(s.group.prompt + s.base + srv.step - s.admit_step for s in srv.running.values()))
+
+    def _speed(self, own: float = 0.0, trainer: bool = False) -> float:
+        """The share of its speed every role gets on a shared host: cores over demand, with
+        the active servers, the trainer if it trains, and ``own`` (the role asking)."""
+        cores = self.cfg.host_cores
+        if cores <= 0:
+            return 1.0
+        demand = own + sum(s.demand for s in self.servers if s.active) + (1.0 if self.training or trainer else 0.0)
+        return min(1.0, cores / demand) if demand > 0 else 1.0
 
     def _top(self, srv: _Server) -> int:
         """The step at which the first running request finishes (stale heap entries dropped)."""
@@ -416,21 +460,31 @@ class Simulation:
             self.stale[self.version - g.version] += 1
             self.trained_lens.extend(s.length for s in g.seqs)
         t_train = self.tm.train_seconds(n, n * self.cfg.workload.prompt_len, answer_tokens)
+        t_train /= self._speed(trainer=True)
         if self.cfg.colocated:
             t_train += self.cfg.switch_seconds
         self.trainer_busy = True
+        if self.cfg.host_cores > 0:
+            self.training = True
+            for srv in self.servers:  # they now share the host with the trainer
+                self._cut(srv)
         self._batch = (self.now, answer_tokens, max(self.version - g.version for g in groups))
         self.train_busy += t_train
         self._push(self.now + t_train, _TRAIN_DONE)
 
     def _train_done(self) -> None:
+        self.training = False
         self.submitting = False
         self._train_end = self.now
         for srv in self.servers:
             srv.paused = True
             self._cut(srv)
-        self.sync_busy += self.tm.sync_seconds
-        self._push(self.now + self.tm.sync_seconds, _SYNC_DONE)
+        t_sync = self.tm.sync_seconds
+        if self.cfg.interrupt == "recompute":  # every request in a server is aborted and answered
+            t_sync += self.tm.abort_seconds * sum(len(s.running) + len(s.waiting) for s in self.servers)
+        self.sync_busy += t_sync
+        self.sync_count += 1
+        self._push(self.now + t_sync, _SYNC_DONE)
 
     def _sync_done(self) -> None:
         ready, tokens, lag = self._batch
@@ -458,10 +512,11 @@ class Simulation:
     def _snapshot(self) -> None:
         self.snap = {"t": self.now, "gen_busy": sum(s.busy for s in self.servers),
                      "gen_tokens": float(self.gen_tokens_done), "train_busy": self.train_busy,
-                     "sync_busy": self.sync_busy}
+                     "sync_busy": self.sync_busy, "sync_count": self.sync_count}
 
     def _result(self) -> SimResult:
-        snap = self.snap or {"t": 0.0, "gen_busy": 0.0, "gen_tokens": 0.0, "train_busy": 0.0, "sync_busy": 0.0}
+        snap = self.snap or {"t": 0.0, "gen_busy": 0.0, "gen_tokens": 0.0, "train_busy": 0.0, "sync_busy": 0.0,
+                             "sync_count": 0}
         t0, t1 = snap["t"], self.timeline[-1].sync_end
         wall = max(t1 - t0, 1e-12)
         measured = self.timeline[self.cfg.warmup:]
@@ -476,7 +531,8 @@ class Simulation:
         return SimResult(
             tokens_per_s=tokens / wall,
             generated_tokens_per_s=(self.gen_tokens_done - snap["gen_tokens"]) / wall,
-            step_seconds=wall / len(measured), idle=idle, weight_sync_s=self.tm.sync_seconds,
+            step_seconds=wall / len(measured), idle=idle,
+            weight_sync_s=(self.sync_busy - snap["sync_busy"]) / max(1, self.sync_count - snap["sync_count"]),
             timeline=self.timeline, window=(t0, t1),
             accepted_fraction=self.accepted / max(1, self.submitted),
             mean_trained_len=float(np.mean(self.trained_lens)) if self.trained_lens else 0.0,

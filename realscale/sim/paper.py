@@ -178,15 +178,19 @@ class _Budget(Exception):
     """The evaluation budget of the calibration is spent."""
 
 
+X0 = (math.log(6000.0), 0.8, math.log(0.3), math.log(5e-3), math.log(0.2))  # the search's default start
+
+
 def calibrate(gpu: str = "H800", iters: int = 150, sample: float = 0.25, max_evals: int = 0,
-              log: Any = None) -> Calibrated:
-    """Fit :data:`PARAMS` to :data:`CALIBRATION` (Nelder-Mead on log parameters, from a fixed
-    start; every simulation has a fixed seed, so the search is deterministic). ``max_evals``
-    (> 0) stops it after that many distinct evaluations and keeps the best point seen."""
+              log: Any = None, start: tuple[float, ...] = X0, step: float = 0.4) -> Calibrated:
+    """Fit :data:`PARAMS` to :data:`CALIBRATION` (Nelder-Mead on log parameters from
+    ``start``; every simulation has a fixed seed, so the search is deterministic).
+    ``max_evals`` (> 0) stops it after that many distinct evaluations and keeps the best
+    point seen."""
     from realscale.planner.calibrate import nelder_mead
 
     base = builtin_profile(gpu)
-    x0 = np.array([math.log(6000.0), 0.8, math.log(0.3), math.log(5e-3), math.log(0.2)])
+    x0 = np.array(start, np.float64)
     seen: dict[tuple, tuple[float, np.ndarray]] = {}
 
     def f(x: np.ndarray) -> float:
@@ -204,7 +208,7 @@ def calibrate(gpu: str = "H800", iters: int = 150, sample: float = 0.25, max_eva
         return seen[key][0]
 
     try:
-        nelder_mead(f, x0, step=0.4, iters=iters, tol=1e-4)
+        nelder_mead(f, x0, step=step, iters=iters, tol=1e-4)
     except _Budget:
         pass
     _, x = min(seen.values(), key=lambda v: v[0])

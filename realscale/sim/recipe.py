@@ -138,4 +138,4 @@ def scenario_from_config(cfg: Any, hw: HardwareProfile, *, plan: Any = None, len
                     minibatches=cfg.train.mini_batches, max_running=cfg.generate.max_running_requests,
                     kv_budget=gpu_job, max_concurrent=cfg.rollout.max_concurrent,
                     interrupt="in_place" if cfg.generate.pause_mode == "in_place" else "recompute",
-                    ref=cfg.algo.kl_coef > 0)
+                    ref=cfg.algo.kl_coef > 0, padded_attention=cfg.generate.backend == "embedded")

@@ -134,7 +134,10 @@ def predict_bench_async(hw: HardwareProfile, bench: dict[str, Any], seeds: int =
         ratios.append(a.tokens_per_s / s.tokens_per_s)
         async_tps.append(a.tokens_per_s)
         sync_tps.append(s.tokens_per_s)
-    measured = bench["aggregate"]["throughput_ratio_geomean"]
+    # the measured ratio from the runs themselves (each pair: async over sync trained tokens/s)
+    measured = float(math.exp(np.mean([math.log(p["runs"]["async_eta4"]["trained_tokens_per_s"]
+                                                / p["runs"]["sync_eta0"]["trained_tokens_per_s"])
+                                       for p in bench["pairs"]])))
     predicted = float(math.exp(np.mean(np.log(ratios))))
     per_mode = {k: float(np.mean([p["runs"][k]["trained_tokens_per_s"] for p in bench["pairs"]]))
                 for k in ("async_eta4", "sync_eta0")}
@@ -152,11 +155,15 @@ def predict_default_step(hw: HardwareProfile, run: dict[str, Any], seeds: int = 
     summary = run["summary"]
     sc, fit = recipe_scenario(run["recipe"], hw, pooled_stats([summary], cfg.rollout.n_samples), run.get("overrides"))
     steps = summary["steps"]
-    pred = [sc.run(steps=steps, warmup=1, seed=s).step_seconds for s in range(1, seeds + 1)]
+    runs = [sc.run(steps=steps, warmup=1, seed=s) for s in range(1, seeds + 1)]
     measured = (summary["rl_seconds"] - summary["step1_seconds"]) / (steps - 1)
-    predicted = float(np.mean(pred))
+    predicted = float(np.mean([r.step_seconds for r in runs]))
+    parts = [(t.train_end - t.batch_ready, t.sync_end - t.train_end, t.wait_s) for r in runs for t in r.timeline[1:]]
+    per_step = {"measured": {k: summary[k] / steps for k in ("train_s", "weight_sync_s", "wait_rollout_s")},
+                "predicted": dict(zip(("train_s", "weight_sync_s", "wait_rollout_s"),
+                                      (float(np.mean(col)) for col in zip(*parts))))}
     return {"measured_step_s": measured, "predicted_step_s": predicted, "error": predicted / measured - 1,
-            "workload": fit}
+            "per_step": per_step, "workload": fit}
 
 
 def validate(profile_path: str = CPU_PROFILE, bench_path: str = BENCH_ASYNC, run_path: str = DEFAULT_RUN) -> dict:

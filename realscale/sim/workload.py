@@ -177,6 +177,12 @@ class Workload:
             if getattr(self, name) < 1:
                 raise WorkloadError(f"workload: {name} must be >= 1, got {getattr(self, name)}")
 
+    def mean_length(self, n: int = 20_000, seed: int = 0) -> float:
+        """Mean answer tokens (a fixed-seed estimate)."""
+        rng = np.random.default_rng(seed)
+        groups = max(1, n // self.n_samples)
+        return float(np.mean(np.concatenate([self.draw_group(rng)[0] for _ in range(groups)])))
+
     def draw_group(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(lengths, steps) of one group's answers; ``steps`` is what the accept model scores."""
         if isinstance(self.lengths, TaskMix):

@@ -105,6 +105,38 @@ def test_colocated_needs_eta_zero_and_counts_shared_idle() -> None:
     assert set(res.idle) == {"all"} and res.idle["all"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_shared_host_slows_only_what_overlaps() -> None:
+    """Processor sharing on host cores: the synchronous run never overlaps generation with
+    training, so one core changes nothing; the asynchronous one overlaps them, so on one
+    core the overlapped work runs at half speed, and on two cores (no client cost) at full."""
+    w = _fixed(50)
+    kw = dict(n_servers=1, steps=8, warmup=3)
+    sync = simulate(SimConfig(w, eta=0, host_cores=1.0, **kw), _server(), _trainer())
+    assert sync.step_seconds == pytest.approx(50 * STEP + TRAIN + SYNC)
+    free = simulate(SimConfig(w, eta=1, **kw), _server(), _trainer())
+    two = simulate(SimConfig(w, eta=1, host_cores=2.0, **kw), _server(), _trainer())
+    one = simulate(SimConfig(w, eta=1, host_cores=1.0, **kw), _server(), _trainer())
+    assert two.step_seconds == pytest.approx(free.step_seconds)
+    assert one.step_seconds > 1.1 * free.step_seconds
+    # the client's CPU per request is demand too: with enough of it two cores are short
+    busy = simulate(SimConfig(w, eta=1, host_cores=2.0, client_cpu_per_request=0.5, **kw), _server(), _trainer())
+    assert busy.step_seconds > free.step_seconds
+
+
+def test_padded_server_decodes_at_its_longest_context() -> None:
+    """A padded server's step attends over the longest running context, a paged one over the mean."""
+    w = _fixed(50, n=2)
+    for padded, want in ((False, (10 + 30) / 2), (True, 30.0)):
+        sim = Simulation(SimConfig(w, eta=0, n_servers=1), ServerModel(lambda b, c: STEP, lambda t, r: 0.0,
+                                                                      padded=padded), _trainer())
+        sim._refill()
+        srv = sim.servers[0]
+        a, b = list(srv.running.values())
+        a.base, b.base = 0, 20  # one request 20 tokens further than the other
+        srv.ctx_sum = 2 * 10 + 20
+        assert sim._context(srv) == pytest.approx(want)
+
+
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(SimError, match="does not fit"):
         Simulation(SimConfig(_fixed(10, cap=100), eta=0, n_servers=1), ServerModel(lambda b, c: 1, lambda t, r: 0,

@@ -69,15 +69,23 @@ def _synthetic(spec, gpu: GPU, eff: Efficiency) -> tuple[list, list, dict]:
     return decode, train, sync
 
 
-def test_cpu_fit_recovers_the_constants_that_made_the_measurements() -> None:
+DEVICE = {"matmul_gflops": 40.0, "copy_gbps": 8.0, "memory_gb": 24.0, "cpus": 2}
+SETTINGS = {"train_mb_tokens": 512, "logprob_chunk_tokens": 1024}
+
+
+def _measured(request_overhead_s: float):  # noqa: ANN202 - (spec, decode, train, sync)
+    """Synthetic measurements of a CPU-like device with known constants."""
     spec = spec_from_hf_config(TINY, itemsize=4)
-    device = {"matmul_gflops": 40.0, "copy_gbps": 8.0, "memory_gb": 24.0}
     gpu = GPU("cpu", 0.04, 24.0, 0.008, 8.0, 8.0, 8.0)
     truth = Efficiency(mfu_train=0.3, mfu_prefill=0.2, mfu_decode=0.25, hbm_decode=1.0, link=1.0, tp_overhead=0.0,
                        collective_latency_s=0.0, decode_step_overhead_s=2e-3, decode_seq_overhead_s=5e-5,
-                       train_step_overhead_s=0.05, request_overhead_s=1e-3, weight_update_overhead_s=0.02)
-    decode, train, sync = _synthetic(spec, gpu, truth)
-    prof = fit_profile("cpu", spec, device, decode, train, sync, {"train_mb_tokens": 512, "logprob_chunk_tokens": 1024})
+                       train_step_overhead_s=0.05, request_overhead_s=request_overhead_s, weight_update_overhead_s=0.02)
+    return (spec, *_synthetic(spec, gpu, truth))
+
+
+def test_cpu_fit_recovers_the_constants_that_made_the_measurements() -> None:
+    spec, decode, train, sync = _measured(1e-3)
+    prof = fit_profile("cpu", spec, DEVICE, decode, train, sync, SETTINGS)
     e = prof.eff
     for d in decode:  # the fitted model reproduces every measured step
         assert C.decode_step_seconds(spec, 1, d["batch"], d["ctx"], prof.gpu, e) == pytest.approx(d["step_s"], rel=0.03)
@@ -88,26 +96,24 @@ def test_cpu_fit_recovers_the_constants_that_made_the_measurements() -> None:
     assert e.mfu_prefill == pytest.approx(0.2, rel=0.05)
     assert e.weight_update_overhead_s == pytest.approx(0.02, rel=0.01)
     assert prof.sources["eff.mfu_train"].kind == "fitted" and prof.sources["gpu.peak_tflops"].kind == "measured"
+    assert prof.gpu.host_cores == 0 and prof.sources["gpu.host_cores"].kind == "assumed"  # no rollout measurement
 
 
-def test_cpu_fit_takes_the_request_cost_from_the_request_points() -> None:
+def test_cpu_fit_takes_request_and_rollout_costs_from_their_points() -> None:
     """With per-request points (server CPU over b 1-token requests) the request cost is their
-    slope, even with one point slowed by load, and the prefill cost is fitted to what is left."""
-    spec = spec_from_hf_config(TINY, itemsize=4)
-    device = {"matmul_gflops": 40.0, "copy_gbps": 8.0, "memory_gb": 24.0}
-    gpu = GPU("cpu", 0.04, 24.0, 0.008, 8.0, 8.0, 8.0)
-    truth = Efficiency(mfu_train=0.3, mfu_prefill=0.2, mfu_decode=0.25, hbm_decode=1.0, link=1.0, tp_overhead=0.0,
-                       collective_latency_s=0.0, decode_step_overhead_s=2e-3, decode_seq_overhead_s=5e-5,
-                       train_step_overhead_s=0.05, request_overhead_s=1.5e-3, weight_update_overhead_s=0.02)
-    decode, train, sync = _synthetic(spec, gpu, truth)
+    slope, even with one point slowed by load, and the prefill cost is fitted to what is left;
+    with a rollout-side measurement the host's cores are shared and the client's cost is kept."""
+    spec, decode, train, sync = _measured(1.5e-3)
     requests = [{"batch": b, "server_cpu_s": 4e-3 + b * 1.5e-3} for b in REQUEST_BATCHES]
     requests[-1]["server_cpu_s"] *= 5  # a burst of load
-    prof = fit_profile("cpu", spec, device, decode, train, sync, {"train_mb_tokens": 512, "logprob_chunk_tokens": 1024},
-                       requests=requests)
+    prof = fit_profile("cpu", spec, DEVICE, decode, train, sync, SETTINGS, requests=requests,
+                       rollout={"client_cpu_per_request_s": 2e-3})
     assert prof.eff.request_overhead_s == pytest.approx(1.5e-3, rel=1e-6)
     assert prof.eff.mfu_prefill == pytest.approx(0.2, rel=0.05)
     assert "concurrent 1-token requests" in prof.sources["eff.request_overhead_s"].ref
     assert prof.measurements["requests"] == requests
+    assert prof.gpu.host_cores == 2 and prof.eff.client_request_cpu_s == 2e-3
+    assert prof.sources["eff.client_request_cpu_s"].kind == "measured"
 
 
 def test_nelder_mead_minimises_a_quadratic() -> None:

@@ -39,6 +39,21 @@ def test_simulate_a_gpu_recipe_replanned(capsys) -> None:
     assert "disaggregated" in out and "gpus: 32" in out and "async / sync" in out
 
 
+def test_simulate_with_measured_transfer_terms(cpu_profile: str, capsys, tmp_path) -> None:
+    """--weight-sync measured reads the resharder's benchmark; --batch-path measured:FILE a
+    batch-transfer result; both are named, with their kind, in the output."""
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps({"rows": [{"method": "scatter", "batch_bytes": b, "tokens": b // 24,
+                                           "seconds": 1e-3 + b * 1e-9} for b in (24_000, 2_400_000)]}))
+    assert main(["simulate", "configs/long_tail_cpu.yaml", "--profile", cpu_profile, "--steps", "4", "--warmup", "1",
+                 "--weight-sync", "measured", "--batch-path", f"measured:{batch}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "measured" in out["weight_sync"] and "bench_weight_sync" in out["weight_sync"]
+    assert "measured" in out["batch_path"] and "batch.json" in out["batch_path"]
+    assert main(["simulate", "configs/long_tail_cpu.yaml", "--profile", cpu_profile, "--weight-sync", "fast"]) == 2
+    assert "--weight-sync fast" in capsys.readouterr().err
+
+
 def test_simulate_errors_are_one_line(capsys, tmp_path) -> None:
     assert main(["simulate", "launch/slurm/plans/ppo_7b.yaml"]) == 2
     assert "--recipe" in capsys.readouterr().err

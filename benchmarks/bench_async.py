@@ -3,6 +3,7 @@
     python benchmarks/bench_async.py [--recipe configs/long_tail_cpu.yaml] [--eta 4] [--steps N]
     python benchmarks/bench_async.py --seeds 5,6,7 --out benchmarks/results/async_vs_sync_seeds.json
     python benchmarks/bench_async.py --combine A.json B.json ... --out COMBINED.json
+    python benchmarks/bench_async.py --colocated --seeds 11,12 --out benchmarks/results/async_vs_colocated.json
 
 One warm start (``realscale sft``, shared), then two ``realscale train`` runs of the same
 recipe with the same seeds and the same number of steps (so the same number of trained
@@ -21,6 +22,14 @@ the long-tail task, ``task_accuracy``: the same weights on every length of the t
 (the held-out split has one problem per length, so one short problem can move it by up to 25
 points; the stratified set caps any problem at a tenth of its length's weight).
 
+``--colocated`` adds a third run, the stronger synchronous baseline (verl's and ReaL's): η = 0
+in colocated mode on the same cores, every core training and then every core generating
+(``parallel.plan``: a colocated plan of ``C`` ranks, ``C`` = the disaggregated runs' trainer
+ranks + server ranks; training ``d{C}t1p1``, generation ``C`` one-rank replicas). The
+η = 0 run on the disaggregated layout leaves the servers' cores idle while the trainer works
+and the trainer's while they generate (AReaL's "sync" baseline); the colocated one does not.
+Both ratios are reported side by side: async / sync and async / colocated.
+
 Writes ``benchmarks/results/async_vs_sync.json`` and prints a table. With ``--seeds`` it runs
 one pair per seed (each with its own warm start, under ``--work/seed<N>``) and judges the bar on
 the seeds together (``aggregate``: geometric-mean throughput ratio, mean accuracy gaps), since a
@@ -36,7 +45,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -45,21 +53,13 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RECIPE = os.path.join(REPO, "configs", "long_tail_cpu.yaml")
 RESULT = os.path.join(REPO, "benchmarks", "results", "async_vs_sync.json")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import run_realscale  # noqa: E402 - benchmarks/ is not a package
 
 
 def _realscale(args: list[str], log_path: str) -> float:
     """Run ``python -m realscale ARGS`` from this checkout, output to ``log_path``; seconds taken."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run([sys.executable, "-m", "realscale", *args], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        with open(log_path, encoding="utf-8", errors="replace") as fh:
-            tail = fh.read()[-3000:]
-        raise SystemExit(f"bench_async: `realscale {' '.join(args)}` failed (exit {proc.returncode}); "
-                         f"log {log_path}:\n{tail}")
-    return time.perf_counter() - start
+    return run_realscale(args, log_path, "bench_async")
 
 
 def _load_avg() -> list[float]:
@@ -167,7 +167,7 @@ def _add_task_accuracy(pair: dict[str, Any]) -> None:
     from realscale.config import load_config
 
     cfg = load_config(os.path.join(REPO, pair["recipe"]), [*pair.get("overrides", []), f"run.seed={_seed_of(pair)}"])
-    for mode in ("async", "sync"):
+    for mode in ("async", "sync", "colocated")[:3 if _has_colocated(pair) else 2]:
         run = _run(pair, mode)
         run_dir = run.get("run_dir") or _run_dir_of(pair, mode)
         final = os.path.join(run_dir, "final")
@@ -181,6 +181,24 @@ def _add_task_accuracy(pair: dict[str, Any]) -> None:
     a, s = _run(pair, "async")["task_accuracy_end"], _run(pair, "sync")["task_accuracy_end"]
     if a is not None:
         pair["task_accuracy_gap_points"] = {k: 100 * (a[k] - s[k]) for k in ("greedy", "sampled")}
+        if _has_colocated(pair):
+            c = _run(pair, "colocated")["task_accuracy_end"]
+            pair["task_accuracy_gap_vs_colocated_points"] = {k: 100 * (a[k] - c[k]) for k in ("greedy", "sampled")}
+
+
+def _has_colocated(pair: dict[str, Any]) -> bool:
+    return any(k.startswith("colocated") for k in pair["runs"])
+
+
+def colocated_plan(cfg: Any, path: str) -> list[str]:
+    """Write the colocated plan of the cores the disaggregated runs use (trainer ranks +
+    server ranks; module docstring) to ``path``; the overrides that run it."""
+    cores = cfg.parallel.world_size + cfg.generate.num_servers * cfg.generate.tp
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f"mode: colocated\ncluster: {{nodes: 1, gpus_per_node: {cores}, gpu: cpu}}\nroles:\n"
+                 f"  actor_gen:   {{mesh: \"0:{cores}\", strategy: d{cores}t1p1}}\n"
+                 f"  actor_train: {{mesh: \"0:{cores}\", strategy: d{cores}t1p1}}\n")
+    return [f"parallel.plan={path}"]
 
 
 def _cached_task_accuracy(run_dir: str, final: str, cfg: Any) -> dict[str, float] | None:
@@ -224,6 +242,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--task-eval", action="store_true",
                     help="with --combine: evaluate each pair's final models on the length-stratified task set "
                          "(task_accuracy) where its result has no such figures")
+    ap.add_argument("--colocated", action="store_true",
+                    help="also run eta=0 in colocated mode on the same cores (module docstring) and report "
+                         "async / colocated beside async / sync")
     ap.add_argument("--out", default=RESULT, help="result JSON")
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to both runs, e.g. rollout.batch_size=8")
     args = ap.parse_args()
@@ -242,8 +263,10 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str, reuse_sft: bool) -> dict[str, Any]:
-    """One warm start (or a reused one) and the two runs, async then sync; the pair's result."""
+def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str, reuse_sft: bool,
+             colocated: bool = False) -> dict[str, Any]:
+    """One warm start (or a reused one) and the two runs, async then sync (then, with
+    ``colocated``, the colocated synchronous run); the pair's result."""
     sys.path.insert(0, REPO)
     from realscale.config import load_config
 
@@ -261,22 +284,25 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
         print(f"warm start (realscale sft) -> {sft_dir}", flush=True)
         _realscale(["sft", *common], os.path.join(work, "sft.log"))
     runs: dict[str, dict[str, Any]] = {}
-    for name, run_eta in ((f"async_eta{eta}", eta), ("sync_eta0", 0)):
+    plan = [(f"async_eta{eta}", eta, []), ("sync_eta0", 0, [])]
+    if colocated:
+        plan.append(("colocated_eta0", 0, colocated_plan(cfg, os.path.join(work, "colocated_plan.yaml"))))
+    for name, run_eta, extra in plan:
         run_dir = os.path.join(work, name)
         shutil.rmtree(run_dir, ignore_errors=True)  # a leftover run directory would be resumed
-        print(f"{name}: realscale train, rollout.max_staleness={run_eta}, {steps} steps", flush=True)
-        seconds = _realscale(["train", *common, f"run.name={name}", f"rollout.max_staleness={run_eta}"],
+        print(f"{name}: realscale train, rollout.max_staleness={run_eta} {' '.join(extra)}, {steps} steps", flush=True)
+        seconds = _realscale(["train", *common, f"run.name={name}", f"rollout.max_staleness={run_eta}", *extra],
                              os.path.join(work, f"{name}.log"))
-        runs[name] = {"max_staleness": run_eta, "run_dir": run_dir, "wall_seconds": seconds,
+        runs[name] = {"max_staleness": run_eta, "run_dir": run_dir, "wall_seconds": seconds, "overrides": extra,
                       **summarize_run(run_dir, steps)}
         load[name] = _load_avg()
         print(f"  {runs[name]['rl_seconds']:.1f} s RL phase, {runs[name]['trained_tokens_per_s']:.1f} trained tok/s",
               flush=True)
 
     a, s = runs[f"async_eta{eta}"], runs["sync_eta0"]
-    if a["trained_trajectories"] != s["trained_trajectories"]:
-        raise SystemExit("bench_async: the two runs trained different numbers of samples: "
-                         f"{a['trained_trajectories']} vs {s['trained_trajectories']}")
+    if len({r["trained_trajectories"] for r in runs.values()}) != 1:
+        raise SystemExit("bench_async: the runs trained different numbers of samples: "
+                         f"{ {k: r['trained_trajectories'] for k, r in runs.items()} }")
     ratio = a["trained_tokens_per_s"] / s["trained_tokens_per_s"]
     ratio_later = a["trained_tokens_per_s_after_step1"] / s["trained_tokens_per_s_after_step1"]
     acc_gap = {k: 100 * (a["accuracy_end"][k] - s["accuracy_end"][k]) for k in a["accuracy_end"]}
@@ -303,6 +329,13 @@ def run_pair(recipe: str, overrides: list[str], eta: int, steps: int, work: str,
         "runs": runs,
         "machine": _machine(load),
     }
+    if colocated:
+        c = runs["colocated_eta0"]
+        pair.update({"throughput_ratio_vs_colocated": a["trained_tokens_per_s"] / c["trained_tokens_per_s"],
+                     "throughput_ratio_colocated_vs_sync": c["trained_tokens_per_s"] / s["trained_tokens_per_s"],
+                     "trained_samples_per_s_ratio_vs_colocated": c["rl_seconds"] / a["rl_seconds"],
+                     "accuracy_gap_vs_colocated_points": {k: 100 * (a["accuracy_end"][k] - c["accuracy_end"][k])
+                                                          for k in a["accuracy_end"]}})
     _add_task_accuracy(pair)
     pair["benchmark_seconds"] = time.perf_counter() - t_all
     return pair
@@ -337,7 +370,7 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     gaps = _gap_stats([p["accuracy_gap_points"] for p in pairs])
     task = [p.get("task_accuracy_gap_points") for p in pairs]
     task_gaps = _gap_stats(task) if all(task) else None
-    return {
+    out = {
         "seeds": [_seed_of(p) for p in pairs],
         "per_seed": [{"seed": _seed_of(p), "throughput_ratio": p["throughput_ratio"],
                       "trained_samples_per_s_ratio": p["trained_samples_per_s_ratio"],
@@ -355,6 +388,23 @@ def aggregate(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "task_accuracy_within_2_points": (None if task_gaps is None
                                           else all(abs(g["mean"]) <= 2.0 for g in task_gaps.values())),
     }
+    if all(_has_colocated(p) for p in pairs):
+        out["vs_colocated"] = _vs_colocated(pairs)
+    return out
+
+
+def _vs_colocated(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same verdict against the colocated synchronous run (pairs run with --colocated),
+    and how much faster that baseline is than the disaggregated one."""
+    ratios = [p["throughput_ratio_vs_colocated"] for p in pairs]
+    task = [p.get("task_accuracy_gap_vs_colocated_points") for p in pairs]
+    return {"throughput_ratio_geomean": _geomean(ratios), "throughput_ratio_min": min(ratios),
+            "throughput_ratio_max": max(ratios),
+            "colocated_vs_sync_geomean": _geomean([p["throughput_ratio_colocated_vs_sync"] for p in pairs]),
+            "trained_samples_per_s_ratio_geomean": _geomean([p["trained_samples_per_s_ratio_vs_colocated"]
+                                                             for p in pairs]),
+            "accuracy_gap_points": _gap_stats([p["accuracy_gap_vs_colocated_points"] for p in pairs]),
+            "task_accuracy_gap_points": _gap_stats(task) if all(task) else None}
 
 
 def _geomean(values: list[float]) -> float:
@@ -431,7 +481,7 @@ def main() -> int:
         print(f"wrote {args.out}")
         return 0
     if not args.seeds:
-        result = run_pair(args.recipe, args.overrides, args.eta, args.steps, args.work, args.reuse_sft)
+        result = run_pair(args.recipe, args.overrides, args.eta, args.steps, args.work, args.reuse_sft, args.colocated)
         _write(args.out, result)
         print(_table(result, args.eta))
         print(f"wrote {args.out}")
@@ -441,7 +491,7 @@ def main() -> int:
     for seed in args.seeds:
         print(f"== seed {seed}", flush=True)
         pair = run_pair(args.recipe, [*args.overrides, f"run.seed={seed}"], args.eta, args.steps,
-                        os.path.join(args.work, f"seed{seed}"), args.reuse_sft)
+                        os.path.join(args.work, f"seed{seed}"), args.reuse_sft, args.colocated)
         print(_table(pair, args.eta), flush=True)
         pairs.append(pair)
         # after every seed, so a crash or Ctrl-C later keeps the pairs already run
@@ -471,6 +521,14 @@ def _seeds_table(agg: dict[str, Any], eta: int) -> str:
     if task:
         lines.append(f"mean accuracy gap (async - sync), task (length-stratified): {_gap_line(task)} "
                      f"({'within' if agg['task_accuracy_within_2_points'] else 'outside'} 2 points)")
+    if "vs_colocated" in agg:
+        c = agg["vs_colocated"]
+        lines.append(f"eta={eta} vs colocated eta=0 (same cores): trained tokens/s ratio geometric mean "
+                     f"{c['throughput_ratio_geomean']:.2f}x (range {c['throughput_ratio_min']:.2f}-"
+                     f"{c['throughput_ratio_max']:.2f}x); colocated / disaggregated sync "
+                     f"{c['colocated_vs_sync_geomean']:.2f}x")
+        lines.append(f"mean accuracy gap (async - colocated), held-out: {_gap_line(c['accuracy_gap_points'])}"
+                     + (f"; task: {_gap_line(c['task_accuracy_gap_points'])}" if c["task_accuracy_gap_points"] else ""))
     return "\n".join(lines)
 
 
@@ -479,8 +537,11 @@ def _gap_line(stats: dict[str, dict[str, float]]) -> str:
 
 
 def _table(result: dict[str, Any], eta: int) -> str:
+    runs = [result["runs"][f"async_eta{eta}"], result["runs"]["sync_eta0"]]
     rows = [("", f"async eta={eta}", "sync eta=0")]
-    a, s = result["runs"][f"async_eta{eta}"], result["runs"]["sync_eta0"]
+    if "colocated_eta0" in result["runs"]:
+        runs.append(result["runs"]["colocated_eta0"])
+        rows[0] += ("colocated eta=0",)
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     for label, fmt in (("RL phase s (step 1)", lambda r: f"{r['rl_seconds']:.1f} ({r['step1_seconds']:.1f})"),
                        ("trained tokens", lambda r: f"{r['trained_tokens']:.0f}"),
@@ -503,8 +564,8 @@ def _table(result: dict[str, Any], eta: int) -> str:
                                                                   f"{pct(r['accuracy_end']['sampled'])}"),
                        ("task greedy / sampled at end", lambda r: "-" if not r.get("task_accuracy_end") else
                         f"{pct(r['task_accuracy_end']['greedy'])} / {pct(r['task_accuracy_end']['sampled'])}")):
-        rows.append((label, fmt(a), fmt(s)))
-    width = [max(len(r[i]) for r in rows) for i in range(3)]
+        rows.append((label, *(fmt(r) for r in runs)))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in width))
     gap = result["accuracy_gap_points"]
@@ -517,6 +578,12 @@ def _table(result: dict[str, Any], eta: int) -> str:
         t = result["task_accuracy_gap_points"]
         lines.append(f"task accuracy gap (length-stratified): greedy {t['greedy']:+.1f}, sampled {t['sampled']:+.1f} "
                      "points")
+    if "throughput_ratio_vs_colocated" in result:
+        g = result["accuracy_gap_vs_colocated_points"]
+        lines.append(f"throughput ratio async/colocated: {result['throughput_ratio_vs_colocated']:.2f}x trained tokens/s, "
+                     f"{result['trained_samples_per_s_ratio_vs_colocated']:.2f}x trained samples/s (colocated/sync "
+                     f"{result['throughput_ratio_colocated_vs_sync']:.2f}x); accuracy gap (async - colocated): greedy "
+                     f"{g['greedy']:+.1f}, sampled {g['sampled']:+.1f} points")
     return "\n".join(lines)
 
 

@@ -39,18 +39,18 @@ def _batch(seqs: int, prompt: int, response: int) -> object:
 def _rank(model_dir: str, budgets: list[int], reps: int, seqs: int, prompt: int, response: int) -> dict[int, float]:
     from realscale.config import load_config
     from realscale.train.engine import EngineConfig, MegatronEngine
-    from realscale.train.actor import update_policy
+    from realscale.train.actor import split_for_dp, update_policy
 
     batch = _batch(seqs, prompt, response)
     out = {}
     for budget in budgets:
         cfg = load_config("configs/tiny_cpu.yaml", [f"train.max_tokens_per_micro_batch={budget}"])
         eng = MegatronEngine(EngineConfig(model_path=model_dir, lr=1e-5, max_tokens_per_micro_batch=budget))
-        update_policy(eng, batch, cfg)  # warm-up
+        update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)  # warm-up
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            update_policy(eng, batch, cfg)
+            update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)
             times.append(time.perf_counter() - t)
         out[budget] = min(times)
     return out

@@ -85,6 +85,7 @@ class ModelConfig:
     path: str = knob("tiny-qwen2", "HF model directory (config.json + safetensors), a built-in tiny model name, or 'sft': the warm start of the sft section (trained first if <run dir>/sft is missing).")
     dtype: str = knob("float32", "Parameter dtype for training: float32, bfloat16 or float16.")
     tokenizer: str = knob("", "Tokenizer directory for the RL rollouts and the held-out evaluation (prompts in, answers out); empty: the model directory's. The SFT warm start and the generation servers use the model directory's own tokenizer files.")
+    ref_path: str = knob("", "Reference policy of the KL penalty (algo.kl_coef > 0): an HF model directory (or built-in tiny name) of the policy's architecture; empty: the policy's starting weights (model.path, or the warm start). Frozen; see realscale/train/reference.py.")
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -100,11 +101,14 @@ class ParallelConfig:
     sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
     plan: str = knob("", "Plan YAML from `realscale plan --out`; when set, its actor_train role's dp/tp/pp replace the three above.")
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
+    mode: str = knob("disaggregated", "disaggregated: generation servers on devices of their own, asynchronous under rollout.max_staleness (AReaL); colocated: the trainer ranks themselves generate between updates, in the layout generate.num_servers x generate.tp (which must cover the trainer's ranks), synchronously (max_staleness 0; ReaL). A plan's mode sets it.")
+    release_idle_memory: bool = knob(True, "Colocated mode: release what a phase does not use: the generation layout's weights and KV cache while training (built again each step), the frozen reference policy (algo.kl_coef > 0) while generating; false keeps everything resident.")
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             _positive("parallel", name, getattr(self, name))
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
+        _one_of("parallel", "mode", self.mode, ("disaggregated", "colocated"))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel: needs parallel.tp > 1")
 
@@ -166,8 +170,8 @@ class AlgoConfig:
     behav_imp_weight_cap: float = knob(5.0, "Cap on w = exp(logp_prox - logp_behav) (0: no cap).")
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
-    kl_coef: float = knob(0.0, "KL penalty coefficient against the reference model; must be 0 until realscale train loads a reference policy.")
-    kl_estimator: str = knob("k3", "KL estimator: k1, k2 or k3.")
+    kl_coef: float = knob(0.0, "KL penalty against a frozen reference policy (model.ref_path, default the starting weights): the loss adds kl_coef * KL(policy || reference) per trained token, aggregated like the PPO loss (loss_agg). 0: no reference is loaded.")
+    kl_estimator: str = knob("k3", "Per-token KL estimator on the sampled tokens, with d = logp_ref - logp: k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (realscale/algo/kl.py).")
 
     def __post_init__(self) -> None:
         _one_of("algo", "adv_estimator", self.adv_estimator, ("grpo", "loo", "reinforce", "gae"))
@@ -182,9 +186,6 @@ class AlgoConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"algo.{name}: must lie in [0, 1], got {getattr(self, name)!r}")
         _positive("algo", "kl_coef", self.kl_coef, allow_zero=True)
-        if self.kl_coef > 0:
-            raise ConfigError(f"algo.kl_coef: {self.kl_coef!r} needs a reference policy, which realscale train "
-                              "does not load yet; set algo.kl_coef=0")
 
 
 @dataclass
@@ -217,6 +218,8 @@ class RolloutConfig:
     max_turns: int = knob(4, "Multi-turn workflow: most model turns per episode.")
     reward_timeout: float = knob(30.0, "Seconds a reward (or environment call) may take before it scores 0 as 'timeout'.")
     max_consecutive_failures: int = knob(8, "Failed episodes in a row (servers unreachable) before the trainer gets an error.")
+    controller_process: bool = knob(True, "Run the controller (HTTP client, workflow, rewards, batch packing) in its own "
+                                          "process, so trainer rank 0 computes like the others; false: on a thread of rank 0.")
 
     def __post_init__(self) -> None:
         _positive("rollout", "batch_size", self.batch_size)
@@ -464,6 +467,9 @@ class Config:
             raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
                               f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
                               "or a model.path of your own")
+        if self.model.ref_path and not self.algo.kl_coef:
+            raise ConfigError(f"model.ref_path: {self.model.ref_path!r} is set but algo.kl_coef is 0, so no reference "
+                              "policy is loaded; set algo.kl_coef > 0 or leave model.ref_path empty")
 
 
 # --------------------------------------------------------------------------- schema walking

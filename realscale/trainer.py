@@ -2,16 +2,21 @@
 :mod:`realscale.launcher.supervisor` prepares the run and watches the processes).
 
 Every rank builds the Megatron engine on its layout and resumes from the run's last
-checkpoint. Rank 0 (the *driver*) also runs the rollout controller: its own event loop
-keeps prompts in flight on the generation servers within the staleness bound η, and it
-holds the servers' control. Then, each step:
+checkpoint. Rank 0 (the *driver*) also starts the rollout controller, in a process of its
+own (:mod:`realscale.rollout.process`): it keeps prompts in flight on the generation
+servers within the staleness bound η. The driver holds the servers' control. Then, each
+step:
 
-1. **batch** — the driver takes B accepted groups (waiting for rollouts if needed) and
-   packs them with GRPO/LOO advantages (GAE: token rewards); every rank receives the batch;
+1. **batch** — the controller hands over B accepted groups, packed with GRPO/LOO
+   advantages (GAE: token rewards), waiting for rollouts if needed; the driver splits
+   every mini-batch into token-balanced data-parallel shares, and each rank receives only
+   its share, only the parts its pipeline stage reads (:mod:`realscale.parallel.batch_scatter`);
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
-   data-parallel rank on its token-balanced share; with GAE the critic
+   data-parallel rank on its share; with GAE the critic
    (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
-   value-loss steps after;
+   value-loss steps after; with ``algo.kl_coef > 0`` the frozen reference policy
+   (:mod:`realscale.train.reference`, same ranks and layout) gives reference log-probs
+   for the KL penalty;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
    (:class:`realscale.generate.publish.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
@@ -20,6 +25,11 @@ holds the servers' control. Then, each step:
 
 Asynchrony is all in the controller: while step N trains, generation for later steps
 goes on under the old weights, and η bounds how old a trained token may be.
+
+Colocated mode (``parallel.mode: colocated``) has no servers of its own: the trainer ranks
+generate in a layout of their own while the driver waits for its batch, and "publish"
+reshards the weights into that layout in place
+(:class:`realscale.generate.colocated.ColocatedGeneration`; η = 0).
 """
 
 from __future__ import annotations
@@ -32,23 +42,24 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
+from realscale.generate.colocated import ColocatedGeneration
 from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
+from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
 from realscale.parallel.device import init_distributed
-from realscale.rollout.rewards import reward_pool_stats
-from realscale.train.actor import broadcast_batch, groups_to_batch, update_policy
+from realscale.parallel.rank_metrics import ComputeClock, gather_figures, step_figures
+from realscale.rollout.controller import client_factory
+from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
 from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoint, record_trained,
                                         rotate_checkpoints, save_checkpoint, truncate_logs)
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
+from realscale.train.reference import reference_for
 
 if TYPE_CHECKING:
     from realscale.metrics import MetricsLogger
-    from realscale.rollout.controller import RolloutController
-
-
-BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
+    from realscale.rollout.process import Rollouts
 
 
 class Trainer:
@@ -62,6 +73,9 @@ class Trainer:
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
             self.critic = CriticEngine(critic_engine_config(cfg, model_dir))
+        self.ref = reference_for(cfg, model_dir)  # KL penalty: frozen starting weights, beside the actor
+        self.scatter = BatchScatter(self.engine.ranks, stage_needs(cfg.algo))
+        self.clock = ComputeClock(*(m.config for m in (self.engine, self.critic, self.ref) if m is not None))
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(out_dir)
         extra: dict[str, Any] = {}
@@ -70,28 +84,32 @@ class Trainer:
             self.step, self.version = int(extra["step"]), int(extra["version"])
             if self.critic is not None:
                 self.critic.load(critic_dir(self.resumed_from))
-        self.controller: RolloutController | None = None
+        self.colocated: ColocatedGeneration | None = None
+        if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
+            self.colocated = ColocatedGeneration(cfg, model_dir, self.engine, idle_while_generating=[self.ref])
+            server_urls = self.colocated.urls
+        self.controller: Rollouts | None = None
         self.logger: MetricsLogger | None = None
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
-            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls])
-        self.publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
+            control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls],
+                                    client_factory(cfg, server_urls))
+        if self.colocated is not None:
+            self.colocated.control = control
+        self.publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
+                                                           cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
-                      ) -> tuple["RolloutController", "MetricsLogger"]:
-        """The rollout controller (paused until the servers hold this run's weights) and
-        the metrics logger; on resume, logs are cut back to the checkpoint's step."""
+                      ) -> tuple["Rollouts", "MetricsLogger"]:
+        """The rollouts (paused until the servers hold this run's weights) and the metrics
+        logger; on resume, logs are cut back to the checkpoint's step."""
         from realscale.metrics import MetricsLogger
-        from realscale.rollout.factory import build_controller
+        from realscale.rollout.process import start_rollouts
 
         if self.resumed_from:
             truncate_logs(self.out_dir, self.step)
-        controller = build_controller(self.cfg, model_dir, server_urls, self.out_dir)
-        if "controller" in extra:
-            controller.load_state_dict(extra["controller"])
-        controller.pause()
-        controller.start()
+        controller = start_rollouts(self.cfg, model_dir, server_urls, self.out_dir, extra.get("controller"))
         run = self.cfg.run
         logger = MetricsLogger(self.out_dir, run.total_steps, tensorboard=run.tensorboard, wandb=run.wandb,
                                wandb_mode=run.wandb_mode, start_step=self.step)
@@ -119,14 +137,17 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """Take a batch, update the policy, publish the weights. Every rank calls it."""
         t0 = time.perf_counter()
-        batch, stats = self._next_batch()
+        shares, stats, moved = self._next_batch()
         t_wait = time.perf_counter() - t0
-        stats.update(update_policy(self.engine, batch, self.cfg, self.critic))
+        self.clock.seconds()  # compute timed from here: this step's update only
+        stats.update(update_policy(self.engine, shares, self.cfg, self.critic, self.ref))
         t_train = time.perf_counter() - t0 - t_wait
+        # every rank's transfer and compute figures, gathered: does rank 0 hold the others up?
+        stats.update(step_figures(gather_figures({**moved.local(), "compute_s": self.clock.seconds()})))
         self.version += 1
         stats.update(self.publisher.publish(self.engine, self.version))
         self.step += 1
-        trained = float(batch.fields["loss_mask"].sum())
+        trained = stats.get("perf/trained_tokens", 0.0)  # known on the driver, which logs
         elapsed = time.perf_counter() - t0
         stats.update({"perf/step_s": elapsed, "perf/wait_rollout_s": t_wait, "perf/train_s": t_train,
                       "perf/trained_tokens": trained, "perf/trained_tokens_per_s": trained / max(elapsed, 1e-9),
@@ -137,39 +158,34 @@ class Trainer:
 
     def _start_generation(self) -> None:
         """Servers start from the base model: after a resume they first get the
-        checkpoint's weights (same version); a fresh run just lets the controller go."""
-        if self.resumed_from:
+        checkpoint's weights (same version); a fresh run just lets the controller go.
+        Colocated ranks start with no generation weights: they always get them first."""
+        if self.resumed_from or self.colocated is not None:
             self.publisher.publish(self.engine, self.version)
         elif self.is_driver:
             self.controller.resume()
 
-    def _next_batch(self) -> tuple[PackedBatch, dict[str, float]]:
-        """The driver's next B groups as a packed batch, on every rank."""
-        batch, stats = None, {}
+    def _next_batch(self) -> tuple[list[PackedBatch], dict[str, float], ScatterStats]:
+        """This rank's share of every mini-batch of the next B groups."""
+        split, stats = None, {}
+        rollouts, generation = self._collect()
         if self.is_driver:
-            groups = self._wait_for_groups()
-            batch, stats = groups_to_batch(groups, self.cfg.algo)
-            lags = [self.version - g.min_version for g in groups]
-            stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))})
-            record_trained(self.out_dir, self.step + 1, groups)
-        return broadcast_batch(batch), stats
+            record_trained(self.out_dir, self.step + 1, rollouts.uids)
+            split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
+            stats = {**rollouts.stats, **generation}
+        shares, moved = self.scatter.scatter(split)
+        stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)
+        return shares, stats, moved
 
-    def _wait_for_groups(self) -> list[Any]:
-        """B groups from the controller, waiting at most the batch limit that follows from
-        the recipe's generation length and the measured decode rate (none while the
-        request limit is none; realscale/generate/timeouts.py). The limit is re-read while
-        waiting, as rates get measured."""
-        r, g = self.cfg.rollout, self.cfg.generate
-        start = time.monotonic()
-        while True:
-            limit = self.controller.client.timeouts.batch_limit(
-                g.max_new_tokens, r.batch_size * r.n_samples, g.num_servers * g.max_running_requests)
-            left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
-            try:
-                return self.controller.get_batch(r.batch_size, timeout=max(left, 0.0))
-            except TimeoutError:
-                if limit is not None and time.monotonic() - start >= limit:
-                    raise
+    def _collect(self) -> tuple[Any, dict[str, float]]:
+        """The driver's next B groups, packed (None elsewhere); a colocated rank generates
+        meanwhile."""
+        wait = None
+        if self.is_driver:
+            wait = lambda: self.controller.next_batch(self.cfg.rollout.batch_size, self.version)  # noqa: E731
+        if self.colocated is not None:
+            return self.colocated.collect(wait)
+        return (wait() if wait else None), {}
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:
@@ -177,7 +193,7 @@ class Trainer:
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
-        stats.update(reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
+        stats.update(self.controller.reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
         stats.update(disk_usage(self.out_dir))
         self.logger.log(self.step, stats)
 

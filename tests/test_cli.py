@@ -65,6 +65,8 @@ def test_user_errors_are_one_line_with_status_2(tmp_path) -> None:
     assert "data.source: dataset file not found: data/deepcoder.jsonl" in _train_error(
         tmp_path, gpu_recipe, "model.path=tiny-qwen2")
     assert "model directory" in _train_error(tmp_path, f"model.path={tmp_path}")
+    assert "model.ref_path: model '/no/such/ref' is neither" in _train_error(
+        tmp_path, "model.path=tiny-qwen2", "algo.kl_coef=0.1", "model.ref_path=/no/such/ref")
     plan = tmp_path / "plan.yaml"
     plan.write_text("roles: {actor_train: {mesh: '0:3', strategy: d2t2p1}}\n")
     assert f"parallel.plan: {plan}: placement d2t2p1 on gpus[0:3]: needs 4 GPUs" in _train_error(

@@ -60,7 +60,8 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     ("", ["rollout=3"], "'rollout' is a section"),
     ("", ["algo.loss_agg=sum"], "algo.loss_agg: 'sum' is not one of"),
     ("", ["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
-    ("", ["algo.kl_coef=0.1"], "algo.kl_coef: 0.1 needs a reference policy"),
+    ("", ["algo.kl_coef=-0.1"], "algo.kl_coef: must be >= 0, got -0.1"),
+    ("", ["model.ref_path=models/ref"], "model.ref_path: 'models/ref' is set but algo.kl_coef is 0"),
 ])
 def test_config_errors_are_one_line(tmp_path: Path, yaml_text: str, overrides: list[str], message: str) -> None:
     path = tmp_path / "recipe.yaml"

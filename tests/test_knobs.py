@@ -46,6 +46,7 @@ CONSUMERS: dict[str, str] = {
     "model.path": "realscale.sft:prepare_policy_model",
     "model.dtype": "realscale.train.engine:EngineConfig.from_config",
     "model.tokenizer": "realscale.rollout.factory:build_controller",
+    "model.ref_path": "realscale.train.reference:reference_model_dir",
     # parallel
     "parallel.tp": "realscale.train.engine:EngineConfig.from_config",
     "parallel.pp": "realscale.train.engine:EngineConfig.from_config",
@@ -53,6 +54,8 @@ CONSUMERS: dict[str, str] = {
     "parallel.sequence_parallel": "realscale.train.engine:EngineConfig.from_config",
     "parallel.plan": "realscale.planner.apply:apply_plan",
     "parallel.backend": "realscale.trainer:Trainer.__init__",
+    "parallel.mode": "realscale.trainer:Trainer.__init__",
+    "parallel.release_idle_memory": "realscale.generate.colocated:ColocatedGeneration.__init__",
     # optim
     "optim.lr": "realscale.train.engine:EngineConfig.from_config",
     "optim.min_lr": "realscale.train.engine:EngineConfig.from_config",
@@ -66,7 +69,7 @@ CONSUMERS: dict[str, str] = {
     "optim.distributed_optimizer": "realscale.train.engine:EngineConfig.from_config",
     # train
     "train.max_tokens_per_micro_batch": "realscale.train.engine:EngineConfig.from_config",
-    "train.mini_batches": "realscale.train.actor:update_policy",
+    "train.mini_batches": "realscale.trainer:Trainer._next_batch",
     "train.logprob_chunk_tokens": "realscale.train.engine:EngineConfig.from_config",
     "train.recompute": "realscale.train.engine:resolve_recompute",
     # algo
@@ -98,6 +101,7 @@ CONSUMERS: dict[str, str] = {
     "rollout.max_turns": "realscale.rollout.workflows:workflow_from_config",
     "rollout.reward_timeout": "realscale.rollout.workflows:workflow_from_config",
     "rollout.max_consecutive_failures": "realscale.rollout.controller:RolloutController.from_config",
+    "rollout.controller_process": "realscale.rollout.process:start_rollouts",
     # generate
     "generate.backend": "realscale.launcher.roles:generation_server",
     "generate.num_servers": "realscale.launcher.local:LocalBackend.start_servers",
@@ -108,7 +112,7 @@ CONSUMERS: dict[str, str] = {
     "generate.top_k": "realscale.rollout.workflows:sampling_params_from_config",
     "generate.pause_mode": "realscale.trainer:Trainer.__init__",
     "generate.weight_update": "realscale.generate.publish:transport_for",
-    "generate.request_timeout": "realscale.rollout.controller:RolloutController.from_config",
+    "generate.request_timeout": "realscale.rollout.controller:client_kwargs",
     "generate.base_port": "realscale.generate.sglang_launcher:launch_sglang",
     "generate.max_running_requests": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.tp": "realscale.generate.vllm_server:vllm_command",
@@ -161,7 +165,7 @@ CONSUMERS: dict[str, str] = {
     "eval.samples": "realscale.eval.benchmark:settings_from_config",
     "eval.temperature": "realscale.eval.benchmark:settings_from_config",
     "eval.top_p": "realscale.eval.benchmark:settings_from_config",
-    "generate.timeout_slack": "realscale.rollout.controller:RolloutController.from_config",
+    "generate.timeout_slack": "realscale.rollout.controller:client_kwargs",
     "run.keep_checkpoints": "realscale.trainer:Trainer.save",
     "run.pin_checkpoints": "realscale.trainer:Trainer.save",
     "sft.data": "realscale.sft:_batches_for",

@@ -1,5 +1,5 @@
-"""The RL loop's step: one trainer rank vs two (DP=2, TP=2) on the same rollout batch,
-and the loop's batch building."""
+"""The RL loop's step: one trainer rank vs two (DP=2, TP=2, PP=2) on the same rollout
+batch, each rank fed by the batch scatter, and the loop's batch building."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ def test_rl_step_on_two_ranks_matches_one() -> None:
     adv = [float(one["advantages"][cu[i]]) for i in range(len(cu) - 1)]
     assert sum(u for u, a in zip(ups, adv) if a > 0) > 0
     assert sum(u for u, a in zip(ups, adv) if a < 0) < 0
-    for tp, dp in ((1, 2), (2, 1)):
-        two = run_distributed(cases.one_rl_step, 2, model, tp, dp, timeout=300)[0]
+    # pp=2: the first stage gets no loss fields, the last every one (trainer.stage_needs)
+    for tp, dp, pp in ((1, 2, 1), (2, 1, 1), (1, 1, 2)):
+        two = run_distributed(cases.one_rl_step, 2, model, tp, dp, pp, timeout=300)[0]
         for key in ("train/loss", "train/grad_norm"):
             # the reported step is the second mini-batch, after one Adam update: Adam's
             # per-element normalisation turns fp32 reduction-order noise of the first
             # step into ~1e-5 relative differences (a wrong share or scale is O(1))
             a, b = one["stats"][key], two["stats"][key]
-            assert abs(a - b) <= 1e-4 * abs(a), (tp, dp, key, a, b)
-        assert torch.allclose(one["after"], two["after"], atol=1e-4, rtol=0), (tp, dp)
+            assert abs(a - b) <= 1e-4 * abs(a), (tp, dp, pp, key, a, b)
+        assert torch.allclose(one["after"], two["after"], atol=1e-4, rtol=0), (tp, dp, pp)
 
 
 def test_groups_to_batch_masks_prompts_and_broadcasts_advantages() -> None:

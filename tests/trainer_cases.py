@@ -34,28 +34,42 @@ def synthetic_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0
     return groups
 
 
-def one_rl_step(model_dir: str, tp: int, dp: int) -> dict[str, Any]:
-    """groups -> batch (rank 0) -> broadcast -> DP share -> prox log-probs -> PPO step."""
+def scattered(engine: Any, cfg: Any, batch: Any) -> list[Any]:
+    """This rank's shares of rank 0's ``batch`` as the RL loop delivers them: split into
+    mini-batches and DP shares on rank 0, then the batch scatter (a collective)."""
+    import torch.distributed as dist
+
+    from realscale.parallel.batch_scatter import BatchScatter
+    from realscale.train.actor import split_for_dp, stage_needs
+
+    split = split_for_dp(batch, cfg.train.mini_batches, engine.ranks.dp) if dist.get_rank() == 0 else None
+    return BatchScatter(engine.ranks, stage_needs(cfg.algo)).scatter(split)[0]
+
+
+def one_rl_step(model_dir: str, tp: int, dp: int, pp: int = 1) -> dict[str, Any]:
+    """groups -> batch (rank 0) -> split into DP shares -> batch scatter -> prox log-probs
+    -> PPO step; the log-probs before and after over the whole batch."""
     import torch.distributed as dist
 
     from realscale.config import load_config
-    from realscale.train.engine import EngineConfig, MegatronEngine
     from realscale.train import actor as trainer
+    from realscale.train.engine import EngineConfig, MegatronEngine
 
-    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-3", "train.mini_batches=2",
-                             "train.max_tokens_per_micro_batch=40"])
+    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}", "optim.lr=1e-3",
+                             "train.mini_batches=2", "train.max_tokens_per_micro_batch=40"])
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
     batch = None
     if dist.get_rank() == 0:
         batch, _ = trainer.groups_to_batch(synthetic_groups(engine), cfg.algo)
     else:
         synthetic_groups(engine)  # same collectives as rank 0 (log-probs of the same data)
-    batch = trainer.broadcast_batch(batch)
-    before = engine.logprobs(batch)["logprobs"]
-    stats = trainer.update_policy(engine, batch, cfg)
-    after = engine.logprobs(batch)["logprobs"]
-    return {"stats": stats, "before": before, "after": after, "advantages": batch.fields["advantages"],
-            "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}
+    shares = scattered(engine, cfg, batch)
+    whole = trainer.broadcast_batch(batch)  # to compare log-probs over the whole batch
+    before = engine.logprobs(whole)["logprobs"]
+    stats = trainer.update_policy(engine, shares, cfg)
+    after = engine.logprobs(whole)["logprobs"]
+    return {"stats": stats, "before": before, "after": after, "advantages": whole.fields["advantages"],
+            "loss_mask": whole.fields["loss_mask"], "cu_seqlens": whole.cu_seqlens}
 
 
 def structured_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0) -> list[Any]:
@@ -69,10 +83,12 @@ def structured_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 
     return groups
 
 
-def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0, critic_lr: float = 1e-3) -> dict[str, Any]:
+def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0, critic_lr: float = 1e-3,
+                 pp: int = 1) -> dict[str, Any]:
     """``steps`` PPO-with-GAE updates (actor and critic; advantages normalised over the
-    global batch) on one structured batch: the critic's value loss and values after each
-    step, the policy's log-probs after each step, and the first step's advantages."""
+    global batch) on one structured batch, each step's shares delivered by the batch
+    scatter as in the loop: the critic's value loss and values after each step, the
+    policy's log-probs after each step, and the first step's advantages."""
     import torch.distributed as dist
 
     from realscale.config import load_config
@@ -80,8 +96,8 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
     from realscale.train.critic import CriticEngine, critic_engine_config, gae_advantages
     from realscale.train.engine import EngineConfig, MegatronEngine
 
-    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", "optim.lr=1e-4", "train.mini_batches=1",
-                             "train.max_tokens_per_micro_batch=40", "algo.adv_estimator=gae", f"critic.lr={critic_lr}",
+    cfg = load_config(None, [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}", "optim.lr=1e-4",
+                             "train.mini_batches=1", "train.max_tokens_per_micro_batch=40", "algo.adv_estimator=gae", f"critic.lr={critic_lr}",
                              f"algo.lam={lam}", "algo.normalize_adv_over_batch=true"])
     engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
     critic = CriticEngine(critic_engine_config(cfg, model_dir))
@@ -95,7 +111,7 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
     gae_advantages(critic, whole, cfg.algo)  # on the whole batch, before any update
     losses, values, policy = [], [], []
     for _ in range(steps):
-        losses.append(trainer.update_policy(engine, batch, cfg, critic)["critic/loss"])
+        losses.append(trainer.update_policy(engine, scattered(engine, cfg, batch), cfg, critic)["critic/loss"])
         values.append(critic.values(batch))
         policy.append(engine.logprobs(batch)["logprobs"])
     return {"losses": losses, "values": values, "policy": policy,

@@ -12,7 +12,7 @@ from realscale.algo.advantages import (batch_normalized_advantages, broadcast_to
                                        loo_advantages, masked_moments, normalize_by_moments)
 from realscale.algo.filtering import FilterResult, dynamic_sampling_filter
 from realscale.algo.gae import gae, gae_reference, gae_torch
-from realscale.algo.kl import kl_penalty
+from realscale.algo.kl import kl_penalty, masked_kl_sum
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
 from realscale.algo.value import value_loss
 
@@ -29,6 +29,7 @@ __all__ = [
     "loo_advantages",
     "loss_kwargs_from_config",
     "loss_normalizer",
+    "masked_kl_sum",
     "masked_moments",
     "normalize_by_moments",
     "ppo_loss",

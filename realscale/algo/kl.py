@@ -37,3 +37,14 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str = "k3", clamp: flo
     if estimator == "k2":
         return 0.5 * d * d
     return torch.expm1(d) - d
+
+
+def masked_kl_sum(logp: Tensor, logp_ref: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
+    """``[sum of the per-token KL over the masked tokens, their count]`` (float64, on
+    ``logp``'s device): add these over micro-batches and data-parallel ranks, then divide,
+    for the mean KL of a whole batch."""
+    if mask.shape != logp.shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} != logp shape {tuple(logp.shape)}")
+    valid = mask.to(device=logp.device, dtype=torch.bool)
+    per_token = kl_penalty(logp.detach(), logp_ref.to(logp.device), estimator)
+    return torch.stack([torch.where(valid, per_token, 0.0).double().sum(), valid.double().sum()])

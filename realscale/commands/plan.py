@@ -3,6 +3,8 @@
 Prints a table (role, mesh, dp/tp/pp, time, memory per GPU), the estimated step time and
 throughput, and with ``--out`` writes the plan YAML that ``planner.plan`` in a train
 recipe accepts. Times are cost-model estimates (see realscale/planner/hardware.py).
+``--mode auto`` plans both modes and keeps the faster, saying why
+(:mod:`realscale.planner.choose`: colocated-synchronous vs disaggregated-asynchronous).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from realscale.planner.cost import Workload
     from realscale.planner.hardware import Efficiency, HardwareError, get_gpu, load_profile, load_profiles
     from realscale.planner.plan import plan_from_search
+    from realscale.planner.choose import choice_summary, choose_mode
     from realscale.planner.search import Problem, default_roles, search
 
     try:
@@ -79,15 +82,22 @@ def run(args: argparse.Namespace) -> int:
                           Workload(args.batch, args.n_samples, args.prompt_len, args.gen_len, args.mean_gen_len,
                                    max_staleness=args.max_staleness),
                           default_roles(ref=not args.no_ref, critic=args.critic), eff=eff)
-        result = search(problem, args.mode, iters=args.iters, seed=args.seed)
+        why: list[str] = []
+        if args.mode == "auto":
+            result, why = choose_mode(problem, iters=args.iters, seed=args.seed)
+        else:
+            result = search(problem, args.mode, iters=args.iters, seed=args.seed)
     except (LayoutError, HardwareError, OSError) as exc:
         raise UsageError(str(exc)) from None
     plan = plan_from_search(result, problem)
+    if why:
+        plan.extra["mode_choice"] = choice_summary(why)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print(plan.table())
         print(f"search: {result.method} in {result.search_seconds:.2f} s")
+        print("\n".join(why))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(plan.to_yaml())

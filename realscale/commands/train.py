@@ -81,6 +81,8 @@ def preflight(cfg: "Config") -> None:
             _check_model(cfg.sft.base_model, "sft.base_model")
     else:
         _check_model(cfg.model.path, "model.path")
+    if cfg.model.ref_path:
+        _check_model(cfg.model.ref_path, "model.ref_path")
     if cfg.model.tokenizer and not os.path.isdir(cfg.model.tokenizer):
         raise UserError(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     _check_data(cfg.data.source)

@@ -27,23 +27,25 @@ Transports (how step 2 happens) are chosen by :func:`transport_for` from the con
 - :class:`DiskTransport` — an HF directory on shared storage, then
   ``/update_weights_from_disk`` (vLLM: ``reload_weights``) (the fallback; any server).
 
-Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (the
-rollout controller's event loop and its HTTP client); the other ranks get ``None``.
+Only rank 0 talks to the servers. It does so through a :class:`ServerControl` (its own
+HTTP client and event loop, and the rollout controller's pause / version / resume); the
+other ranks get ``None``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 if TYPE_CHECKING:
     from realscale.config import Config
     from realscale.generate.client import InferenceClient
-    from realscale.rollout.controller import RolloutController
     from realscale.train.engine import MegatronEngine
 
 
@@ -77,29 +79,81 @@ class SyncStats:
 Coro = Callable[["InferenceClient"], Awaitable[Any]]
 
 
-class ServerControl:
-    """Rank 0's handle on the servers: the rollout controller's loop and HTTP client."""
+class RolloutSide(Protocol):
+    """What server control needs of the rollout controller (in its own process or not:
+    :mod:`realscale.rollout.process`)."""
 
-    def __init__(self, controller: "RolloutController", servers: list[ServerEndpoint]) -> None:
-        self.controller = controller
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def retire(self, urls: list[str]) -> None: ...
+
+
+class ServerControl:
+    """Rank 0's handle on the servers: an HTTP client of its own, on an event loop of its
+    own (a thread of rank 0, busy only while a weight update runs), and the rollout
+    controller's pause / version / resume. The controller generates with its own client
+    (in its own process): ``fn(client)`` coroutines here never cross a process boundary,
+    so a transport may pass them live objects (a weight sender, a bucket iterator whose
+    exports are collectives of the trainer ranks). Servers a weight update retires (they
+    did not answer) are handed to the controller before generation resumes."""
+
+    def __init__(self, rollouts: RolloutSide, servers: list[ServerEndpoint],
+                 client: Callable[[], "InferenceClient"]) -> None:
+        self.rollouts = rollouts
         self.servers = servers
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="server-control", daemon=True)
+        self._thread.start()
+        self.client = client()
+        self._on_loop(self.client.start()).result(60.0)
+
+    def _on_loop(self, coro: Awaitable[Any]) -> "Future[Any]":
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, fn: Coro, timeout: float | None = 600.0) -> Any:
-        """``await fn(client)`` on the controller's loop; wait for the result."""
-        return self.controller.call(fn, timeout=timeout)
+        """``await fn(client)`` on the control loop; wait for the result."""
+        return self.submit(fn).result(timeout)
 
     def submit(self, fn: Coro) -> "Future[Any]":
-        """``await fn(client)`` on the controller's loop; return at once (a future)."""
-        return self.controller.submit(fn)
+        """``await fn(client)`` on the control loop; return at once (a future)."""
+        return self._on_loop(_await(fn, self.client))
 
     def pause(self, mode: str) -> None:
-        self.controller.pause()
+        self.rollouts.pause()
         self.run(lambda c: c.pause(mode))
 
     def resume(self, version: int) -> None:
-        self.controller.set_version(version)
+        retired = [s.url for s in self.client.servers if s.retired]
+        if retired:
+            self.rollouts.retire(retired)
+        self.rollouts.set_version(version)
         self.run(lambda c: c.resume())
-        self.controller.resume()
+        self.rollouts.resume()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._on_loop(self.client.close()).result(30.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def _await(fn: Coro, client: "InferenceClient") -> Any:
+    return await fn(client)
+
+
+class _NoRollouts:
+    """The rollout side of a :class:`ClientControl`: there is none."""
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def retire(self, urls: list[str]) -> None: ...
 
 
 class ClientControl(ServerControl):
@@ -108,39 +162,10 @@ class ClientControl(ServerControl):
     (benchmarks and tests drive transports through it exactly as the trainer does)."""
 
     def __init__(self, servers: list[ServerEndpoint], request_timeout: float = 600.0) -> None:
-        import asyncio
-        import threading
-
         from realscale.generate.client import InferenceClient
 
-        self.servers = servers
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="client-control", daemon=True)
-        self.thread.start()
-        self.client = InferenceClient([s.url for s in servers], request_timeout=request_timeout)
-        asyncio.run_coroutine_threadsafe(self.client.start(), self.loop).result(60)
-
-    def submit(self, fn: Coro) -> "Future[Any]":
-        import asyncio
-
-        async def call() -> Any:
-            return await fn(self.client)
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop)
-
-    def run(self, fn: Coro, timeout: float | None = 600.0) -> Any:
-        return self.submit(fn).result(timeout)
-
-    def pause(self, mode: str) -> None:
-        self.run(lambda c: c.pause(mode))
-
-    def resume(self, version: int) -> None:
-        self.run(lambda c: c.resume())
-
-    def close(self) -> None:
-        self.run(lambda c: c.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        urls = [s.url for s in servers]
+        super().__init__(_NoRollouts(), servers, lambda: InferenceClient(urls, request_timeout=request_timeout))
 
 
 class WeightTransport(abc.ABC):
@@ -160,7 +185,7 @@ class WeightTransport(abc.ABC):
         """Release groups and files."""
 
 
-def _sum_over_ranks(values: list[int]) -> list[int]:
+def sum_over_ranks(values: list[int]) -> list[int]:
     """Element-wise sum of small counters over the trainer's ranks (gloo or NCCL)."""
     import torch
     import torch.distributed as dist
@@ -214,14 +239,14 @@ class BroadcastTransport(WeightTransport):
         if control is None:
             for _ in buckets:  # take part in the gathers; only rank 0 sends
                 pass
-            _sum_over_ranks([0, 0])
+            sum_over_ranks([0, 0])
             return SyncStats()
         sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
                                                       flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
-        delivered, bound = _sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
+        delivered, bound = sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
         return SyncStats(bytes=delivered, lower_bound=bound)
 
     def close(self) -> None:
@@ -301,10 +326,10 @@ class VllmEngineTransport(WeightTransport):
             self.client.version = version
         self.trainer_engine.send_weights()
         if control is None:
-            _sum_over_ranks([0, 0])
+            sum_over_ranks([0, 0])
             return SyncStats()
         receivers = self.client.world_size(self.client.members) - 1
-        delivered, bound = _sum_over_ranks([self.source.nbytes() * receivers,
+        delivered, bound = sum_over_ranks([self.source.nbytes() * receivers,
                                             engine.hf_weight_bytes() * len(self.client.members)])
         return SyncStats(bytes=delivered, lower_bound=bound)
 
@@ -398,6 +423,8 @@ class WeightPublisher:
 
     def close(self) -> None:
         self.transport.close()
+        if self.control is not None:
+            self.control.close()
 
 
 class ReshardTransport(WeightTransport):
@@ -426,13 +453,15 @@ class ReshardTransport(WeightTransport):
         self.src_buf: Any = None
         self.store: Any = None  # rank 0: the weight world's TCPStore
         self.rebuilds = 0
+        self.sent_bytes = 0  # what this trainer rank sent in the last send
+        self.received: dict[str, list[int]] = {}  # rank 0: bytes each server rank reported receiving, by URL
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         from realscale.parallel.model_spec import spec_from_hf_config
 
         itemsize = engine.config.params_dtype.itemsize
         self.spec = spec_from_hf_config(engine.hf_config, itemsize=itemsize)
-        _check_megatron_order(engine)
+        check_megatron_order(engine)
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         import torch.distributed as dist
@@ -450,11 +479,12 @@ class ReshardTransport(WeightTransport):
             body = {"name": self.member.world.name, "weight_version": str(version)}
             pending = control.submit(lambda c: c.post_each("/realscale/update_weights_reshard",
                                                            {u: body for u in self.members}))
-        self.member.send(self.src_buf)
+        self.sent_bytes = self.member.send(self.src_buf).send_bytes
         if pending is None:
             return SyncStats()
         replies = pending.result(timeout=self.timeout_s)
-        delivered = sum(sum(r["recv_bytes"]) for r in replies.values())
+        self.received = {u: list(r["recv_bytes"]) for u, r in replies.items()}
+        delivered = sum(sum(r) for r in self.received.values())
         return SyncStats(bytes=delivered, lower_bound=self.member.lower_bound_bytes(),
                          extra={"perf/weight_sync_rebuilds": float(self.rebuilds)})
 
@@ -524,7 +554,7 @@ def _join_bodies(world: Any, urls: list[str], check_only: bool) -> dict[str, dic
             for i, u in enumerate(urls)}
 
 
-def _check_megatron_order(engine: "MegatronEngine") -> None:
+def check_megatron_order(engine: "MegatronEngine") -> None:
     """The weight world numbers trainer ranks in Megatron's order (tp fastest, then dp,
     then pp): the global rank must be that, or the plan would read the wrong shards."""
     import torch.distributed as dist

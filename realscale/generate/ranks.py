@@ -77,13 +77,16 @@ class RankWorker:
     runs on each (module docstring)."""
 
     def __init__(self, model_dir: str, tp: int, tp_rank: int, comm: TPComm, *, dtype: torch.dtype,
-                 device: torch.device, max_slots: int, max_len: int) -> None:
+                 device: torch.device, max_slots: int, max_len: int, load: bool = True) -> None:
+        """``load=False``: the weights stay zero until something writes ``weights.flat``
+        (a colocated trainer's resharder, :mod:`realscale.generate.colocated`)."""
         from transformers import AutoConfig
 
         self.model_dir, self.tp, self.tp_rank, self.device = model_dir, tp, tp_rank, device
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.weights = RankWeights.allocate(read_hf_config(model_dir), tp, tp_rank, dtype, device)
-        self.weights.load_dir(model_dir)
+        if load:
+            self.weights.load_dir(model_dir)
         self.decoder = ShardedDecoder(self.weights, self.hf_config, comm, max_slots, max_len)
         self.receiver = WeightReceiver()
         self.loader = self.weights.loader()  # spans the buckets of one distributed update
@@ -242,6 +245,12 @@ def _worker_main(port: int, rank: int, tp: int, model_dir: str, dtype: torch.dty
     _follow(ctl, worker, error, tp)
 
 
+def follow(ctl: Any, worker: RankWorker, tp: int) -> None:
+    """Rank ``1..tp-1`` of a server whose rank 0 runs elsewhere: run its forward passes and
+    collective RPCs until it sends a stop (:meth:`ServerRanks.stop_followers`)."""
+    _follow(ctl, worker, None, tp)
+
+
 def _follow(ctl: Any, worker: RankWorker | None, error: str | None, tp: int) -> None:
     while True:
         op, slot0, bsz, width, n_moves, length = _broadcast_header(ctl, None)
@@ -270,15 +279,7 @@ class ServerRanks:
         from realscale.parallel.device import rank_device
 
         model_spec(read_hf_config(model_dir), tp, dtype)  # refuse a bad model or tp before spawning
-        self.tp, self.max_len = tp, max_len
-        self.failure: str | None = None
-        self.on_failure: Callable[[str], None] | None = None
-        self.procs: list[Any] = []
-        self.ctl: Any = None
-        self._moves: list[tuple[int, int, int]] = []
-        self._closing = False
-        self._startup_error: str | None = None
-        self._lock = threading.Lock()
+        self._init_state(tp, max_len)
         dev = rank_device(device, 0)
         comp = None
         if tp > 1:
@@ -293,6 +294,27 @@ class ServerRanks:
             self._startup_error = f"{type(exc).__name__}: {exc}"
         if tp > 1:
             self._check_ready()
+
+    def _init_state(self, tp: int, max_len: int) -> None:
+        self.tp, self.max_len = tp, max_len
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self.procs: list[Any] = []
+        self.ctl: Any = None
+        self._moves: list[tuple[int, int, int]] = []
+        self._closing = False
+        self._startup_error: str | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_running(cls, worker: RankWorker, ctl: Any, max_len: int) -> "ServerRanks":
+        """Rank 0's handle on ranks that are already running processes of their own (the
+        trainer ranks of a colocated run: ranks ``1..tp-1`` call :func:`follow` for a
+        generation phase and return at :meth:`stop_followers`). Nothing is spawned or killed."""
+        self = cls.__new__(cls)
+        self._init_state(worker.tp, max_len)
+        self.worker, self.ctl = worker, ctl
+        return self
 
     def _check_ready(self) -> None:
         """Every rank loaded its shard (or the server stops them all and says why not)."""
@@ -428,6 +450,16 @@ class ServerRanks:
     def alive(self) -> bool:
         return self.failure is None
 
+    def stop_followers(self, grace: float = 10.0) -> None:
+        """Tell ranks ``1..tp-1`` to leave their loop (between forward passes)."""
+        self._moves.clear()  # KV-slot moves are for the cache the followers are about to drop
+        if self.ctl is None or not self._lock.acquire(timeout=grace):
+            return
+        try:
+            _broadcast_header(self.ctl, [OP_STOP, 0, 0, 0, 0, 0])
+        finally:
+            self._lock.release()
+
     def shutdown(self, grace: float = 10.0) -> None:
         """Stop the workers (told to, then killed if they linger) and leave rank 0's weight
         groups (their names are free again for a later server in this process)."""
@@ -436,13 +468,11 @@ class ServerRanks:
         self._closing = True
         if self.worker is not None:
             self.worker.receiver.close()
-        if self.ctl is not None and self.failure is None and self._lock.acquire(timeout=grace):
+        if self.failure is None and self.procs:  # (ranks of_running are not ours to stop)
             try:
-                _broadcast_header(self.ctl, [OP_STOP, 0, 0, 0, 0, 0])
+                self.stop_followers(grace)
             except Exception:  # noqa: BLE001 - a worker already gone; killed below
                 pass
-            finally:
-                self._lock.release()
         for p in self.procs:
             p.join(grace if self.failure is None else 0.1)
             if p.is_alive():

@@ -54,10 +54,12 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
                  "queued. Retract or finish them, then call /flush_cache.")
 
 
-def _max_positions(model_dir: str) -> int:
+def context_length_for(model_dir: str, requested: int) -> int:
+    """The context a server of ``model_dir`` accepts: ``requested`` (0: 2048), at most the
+    model's ``max_position_embeddings``."""
     from realscale.generate.weights import read_hf_config
 
-    return int(read_hf_config(model_dir).get("max_position_embeddings", 2048))
+    return min(requested or 2048, int(read_hf_config(model_dir).get("max_position_embeddings", 2048)))
 
 
 class EmbeddedServer:
@@ -65,9 +67,12 @@ class EmbeddedServer:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_running: int = 32,
                  context_length: int = 0, weight_version: str = "0", seed: int = 0,
-                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1) -> None:
+                 default_max_new_tokens: int = 128, tp: int = 1, threads: int = 1,
+                 ranks: ServerRanks | None = None) -> None:
         """``tp`` ranks (this process and ``tp - 1`` spawned ones, ``threads`` torch
-        threads each; this process's own thread count is the caller's)."""
+        threads each; this process's own thread count is the caller's), or ``ranks`` that
+        already run (a colocated trainer's, :meth:`ServerRanks.of_running`; its KV cache
+        must hold ``context_length_for(model_path, context_length)`` tokens)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -75,9 +80,9 @@ class EmbeddedServer:
 
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.context_length = min(context_length or 2048, _max_positions(self.model_path))
-        self.ranks = ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
-                                 max_slots=max_running, max_len=self.context_length, threads=threads)
+        self.context_length = context_length_for(self.model_path, context_length)
+        self.ranks = ranks or ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
+                                          max_slots=max_running, max_len=self.context_length, threads=threads)
         assert self.ranks.worker is not None
         self.hf_config = self.ranks.worker.hf_config
         eos = self.hf_config.eos_token_id
@@ -154,9 +159,18 @@ class EmbeddedServer:
                 self.engine.submit(r)
         if fmt["stream"]:
             return await self._stream(request, reqs, fmt)
-        done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs))
+        try:
+            done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs))
+        except asyncio.CancelledError:  # the client went away (handler_cancellation): as SGLang, abort
+            self._abort_unfinished(reqs)
+            raise
         out = [self._response(r, fmt, i) for i, r in enumerate(done)]
         return web.json_response(out[0] if fmt["single"] else out)
+
+    def _abort_unfinished(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if not r.future.done():
+                self.engine.call(lambda rid=r.rid: self.engine.abort(rid))
 
     def _requests(self, batch: list[list[int]] | None, texts: list[str] | None,
                   req: dict[str, Any]) -> tuple[list[Request], dict[str, Any]]:
@@ -240,8 +254,7 @@ class EmbeddedServer:
                         sent[i] = k
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            for i in pending:
-                self.engine.call(lambda rid=reqs[i].rid: self.engine.abort(rid))
+            self._abort_unfinished(reqs)
             raise
         await resp.write_eof()
         return resp
@@ -549,7 +562,8 @@ def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | No
     server.on_failure = exit_soon
     if sock is not None:
         host = port = None
-    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None)
+    web.run_app(server.app(), host=host, port=port, sock=sock, print=None, handle_signals=True, access_log=None,
+                handler_cancellation=True)  # a client that goes away aborts its requests
     return 1 if server.ranks.failure is not None else 0
 
 
@@ -558,7 +572,7 @@ def start_in_thread(server: EmbeddedServer, host: str = "127.0.0.1", port: int =
     import threading
 
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, host, port)
     loop.run_until_complete(site.start())

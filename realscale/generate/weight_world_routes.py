@@ -14,22 +14,20 @@
   Answers ``{"success": true, "recv_bytes": [per rank], "weight_version": ...}``.
 - ``POST /realscale/leave_weight_world``: drop the world.
 
-Every route runs the rank functions below (:func:`join_rank`, :func:`receive_rank`,
-:func:`leave_rank`) on every rank of the server, between forward passes, through the
-server's collective RPC (``server.ranks.call_all("module:function", ...)``, which calls
-``function(worker, ...)`` on each rank). A rank's weights are one flat buffer in
+Every route runs the rank functions below (:func:`check_rank`, :func:`join_rank`,
+:func:`receive_rank`, :func:`leave_rank`) on every rank of the server, between forward
+passes, through the server's collective RPC (``server.ranks.call_all("module:function",
+...)``, which calls ``function(worker, ...)`` on each rank; a 1-rank server runs the same
+code in its own process). So every rank of a ``--tp N`` server is a member of the weight
+world in its own right: its shard arrives straight from the trainer ranks that hold the
+slices, not through the server's rank 0. A rank's weights are one flat buffer in
 ``shard_index`` order (``worker.weights.flat``): exactly the resharder's destination
-buffer, so the new weights land in place, with no conversion. A server whose dtype differs
-from the trainer's receives the trainer's dtype and casts.
-
-A server without ranks (one process with HF modules) runs the same rank functions on a
-:class:`_OneRank` stand-in whose flat buffer is copied into the model by HF name after
-each receive.
+buffer, so the new weights land in place, with no conversion. A server whose dtype
+differs from the trainer's receives the trainer's dtype and casts.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -37,24 +35,12 @@ from aiohttp import web
 from realscale.generate import protocol as P
 
 if TYPE_CHECKING:
-    import torch
-
+    from realscale.generate.ranks import RankWorker
     from realscale.generate.server import EmbeddedServer
     from realscale.parallel.model_spec import ModelSpec
     from realscale.parallel.weight_world import WorldSpec
 
 KEY = "weight_world"  # where a rank keeps its WorldMember (worker.extras)
-
-
-def server_spec(model_path: str, dtype: "torch.dtype") -> "ModelSpec":
-    """The model spec a server plans with (its own config.json, its parameter dtype)."""
-    import json
-    import os
-
-    from realscale.parallel.model_spec import spec_from_hf_config
-
-    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
-        return spec_from_hf_config(json.load(fh), itemsize=dtype.itemsize)
 
 
 def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSpec", device_type: str) -> None:
@@ -75,13 +61,13 @@ def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSp
 # ----------------------------------------------------------------------------- on every rank
 
 
-def check_rank(worker: Any, world_json: dict, rank_offset: int) -> None:
+def check_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> None:
     from realscale.parallel.weight_world import WorldSpec
 
     check_world(WorldSpec.from_json(world_json), rank_offset, worker.tp, worker.weights.spec, worker.device.type)
 
 
-def join_rank(worker: Any, world_json: dict, rank_offset: int) -> int:
+def join_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> int:
     """Leave any previous world, join this one at ``rank_offset + tp_rank``; returns that rank."""
     from realscale.parallel.weight_world import WorldMember, WorldSpec
 
@@ -91,7 +77,7 @@ def join_rank(worker: Any, world_json: dict, rank_offset: int) -> int:
     return member.rank
 
 
-def receive_rank(worker: Any, name: str) -> int:
+def receive_rank(worker: "RankWorker", name: str) -> int:
     """Receive this rank's shard of the new weights into its flat buffer; returns bytes."""
     import torch
 
@@ -107,89 +93,10 @@ def receive_rank(worker: Any, name: str) -> int:
     return recv
 
 
-def leave_rank(worker: Any) -> None:
+def leave_rank(worker: "RankWorker") -> None:
     member = worker.extras.pop(KEY, None)
     if member is not None:
         member.close()
-
-
-# ----------------------------------------------------------------------------- a server without ranks
-
-
-class _Weights:
-    def __init__(self, spec: "ModelSpec", flat: "torch.Tensor") -> None:
-        from realscale.parallel.mesh import Layout, Mesh, Strategy
-        from realscale.parallel.reshard import shard_index
-
-        self.spec, self.flat = spec, flat
-        self.layout = Layout(Mesh(0, 1), Strategy())
-        self.index = shard_index(spec, self.layout, 0)
-
-
-class _OneRank:
-    """The rank functions' view of a one-process server with HF modules: a flat buffer
-    (tp=1: full tensors) that :meth:`load_into_model` copies into the model by HF name."""
-
-    tp, tp_rank = 1, 0
-
-    def __init__(self, server: "EmbeddedServer") -> None:
-        import torch
-
-        from realscale.models.family import load_arch
-
-        param = next(server.engine.model.parameters())
-        spec = server_spec(server.model_path, param.dtype)
-        self.server, self.device, self.extras = server, param.device, {}
-        self.arch = load_arch(server.model_path)
-        self.weights = _Weights(spec, torch.zeros(spec.n_params, dtype=param.dtype, device=param.device))
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        import importlib
-
-        module, _, name = method.partition(":")
-        return [getattr(importlib.import_module(module), name)(self, *args)]
-
-    def load_into_model(self) -> None:
-        from realscale.parallel.reshard_exec import unpack_shard
-
-        named = megatron_full_to_hf(self.weights.spec, unpack_shard(self.weights.spec, self.weights.index,
-                                                                    self.weights.flat), self.arch)
-        self.server.engine.load_weights(named, None)
-
-
-def _hf_names(name: str, arch: Any) -> tuple[Any, list[str]]:
-    """The conversion rule of spec tensor ``name`` and the HF tensors it is made of."""
-    from realscale.models.convert import match
-
-    rule, layer = match(name)
-    if rule.kind == "vocab" and arch.tie_embeddings:
-        return rule, ["model.embed_tokens.weight"]
-    return rule, [n.format(i=layer) for n in rule.hf]
-
-
-def megatron_full_to_hf(spec: "ModelSpec", full: dict[str, "torch.Tensor"], arch: Any) -> list[tuple[str, Any]]:
-    """The spec's full tensors (Megatron tp=1 layout) -> HF-named tensors."""
-    from realscale.models.convert import megatron_to_hf
-
-    out: list[tuple[str, Any]] = []
-    for name, t in full.items():
-        rule, names = _hf_names(name, arch)
-        flat = t.reshape(-1, *t.shape[2:]) if rule.kind in ("qkv", "fc1") else t
-        out.extend(zip(names, megatron_to_hf(rule.kind, flat, arch)))
-    return out
-
-
-def spec_full_from_hf(spec: "ModelSpec", hf: dict[str, "torch.Tensor"], arch: Any) -> dict[str, "torch.Tensor"]:
-    """Full HF tensors -> the spec's full tensors (Megatron tp=1 layout, padded vocabulary):
-    the inverse of :func:`megatron_full_to_hf`."""
-    from realscale.models.convert import hf_to_megatron
-
-    out = {}
-    for t in spec.tensors:
-        rule, names = _hf_names(t.name, arch)
-        padded = t.shape[0] if rule.kind == "vocab" else 0
-        out[t.name] = hf_to_megatron(rule.kind, [hf[n] for n in names], arch, 0, 1, padded).reshape(t.shape)
-    return out
 
 
 # ----------------------------------------------------------------------------- routes
@@ -206,39 +113,10 @@ def register(app: web.Application, server: "EmbeddedServer") -> None:
 class WeightWorldRoutes:
     def __init__(self, server: "EmbeddedServer") -> None:
         self.server = server
-        self.one_rank: _OneRank | None = None
-
-    def _ranks(self) -> Any:
-        ranks = getattr(self.server, "ranks", None)
-        if hasattr(ranks, "call_all"):  # a server with rank processes (collective RPC)
-            return ranks
-        if self.one_rank is None:
-            self.one_rank = _OneRank(self.server)
-        return self.one_rank
 
     async def _on_all_ranks(self, fn: str, *args: Any, version: str | None = None) -> list[Any]:
-        """``fn(worker, *args)`` on every rank, between forward passes; then tag ``version``.
-        (A server without ranks runs it off the scheduler thread and then loads the model.)"""
-        engine, ranks = self.server.engine, self._ranks()
-        target = f"{__name__}:{fn}"
-
-        def tag() -> None:
-            if isinstance(ranks, _OneRank) and fn == "receive_rank":
-                ranks.load_into_model()
-            if version is not None:
-                engine.weight_version = version
-
-        if isinstance(ranks, _OneRank):
-            out = await asyncio.get_running_loop().run_in_executor(self.server.pool, ranks.call_all, target, *args)
-            await asyncio.wrap_future(engine.call(tag))
-            return out
-
-        def run() -> list[Any]:
-            out = ranks.call_all(target, *args)
-            tag()
-            return out
-
-        return await asyncio.wrap_future(engine.call(run))
+        """``fn(worker, *args)`` on every rank between forward passes; then tag ``version``."""
+        return await self.server._on_all_ranks(f"{__name__}:{fn}", *args, version=version)
 
     async def join(self, request: web.Request) -> web.Response:
         from realscale.parallel.mesh import LayoutError

@@ -36,7 +36,7 @@ from realscale.models.family import ModelArch, arch_from_hf
 from realscale.parallel.mesh import Layout, LayoutError, Mesh, Strategy
 from realscale.parallel.model_spec import ModelSpec, TensorSpec, spec_from_hf_config
 from realscale.parallel.reshard import ShardIndex, shard_index
-from realscale.parallel.reshard_exec import unpack_shard
+from realscale.parallel.reshard_exec import pack_shard, unpack_shard
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -102,6 +102,15 @@ def tensor_hashes(spec: ModelSpec, index: ShardIndex, flat: torch.Tensor) -> dic
         part = flat[off:off + outer * (hi - lo) * inner].detach().cpu().contiguous()
         out[t.name] = hashlib.blake2b(part.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
     return out
+
+
+def shard_hashes(spec: ModelSpec, layout: Layout, gpu: int, full: dict[str, torch.Tensor]) -> dict[str, str]:
+    """What :func:`tensor_hashes` says of rank ``gpu`` of ``layout`` once it holds the full
+    tensors ``full`` (:func:`full_megatron_tensors`): the expected hashes of a server rank."""
+    idx = shard_index(spec, layout, gpu)
+    if idx is None:
+        raise LayoutError(f"rank {gpu} holds no shard under {layout}")
+    return tensor_hashes(spec, idx, pack_shard(spec, layout, gpu, full))
 
 
 @dataclass

@@ -238,16 +238,13 @@ class LocalBackend:
         self.ranks = RankGroup()
 
     def prepare(self) -> None:
-        """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`)."""
-        from realscale.config import ConfigError
+        """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`):
+        its ConfigError reaches the command line as a user error (one line, status 2)."""
         from realscale.planner.validate import check_capacity, local_slots
 
         if self.cfg.parallel.plan:
             slots, unit, gpus = local_slots()
-            try:
-                check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
-            except ConfigError as exc:
-                raise LaunchError(str(exc)) from None
+            check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:

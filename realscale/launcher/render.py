@@ -8,6 +8,9 @@ The plan keeps the AReaL split: ``launch.gen_fraction`` of the nodes (3/4 by def
 generate and the rest train, and the planner's cost model picks the best (dp, tp, pp)
 of each side within that split (exhaustively: two meshes give few choices). A
 one-node job has no whole-node split, so the planner's free search decides there.
+A colocated recipe (``parallel.mode: colocated``) gets a colocated plan with every role
+on all the job's GPUs (each picks its own (dp, tp, pp)): the runtime's colocated mode
+generates on the trainer's devices, and the job is one step of trainer tasks.
 """
 
 from __future__ import annotations
@@ -64,26 +67,29 @@ def plan_for(cfg: Any) -> Any:
     if cfg.launch.gpus_per_node == 0:
         return None
     from realscale.planner.plan import plan_from_search
-    from realscale.planner.search import (INFEASIBLE, Instance, SearchResult, _consts, exhaustive, role_options,
-                                          search)
+    from realscale.planner.search import (INFEASIBLE, MODES, Instance, SearchResult, _consts, exhaustive,
+                                          role_options, search)
 
     problem = problem_for(cfg)
-    if cfg.launch.nodes < 2:
-        return plan_from_search(search(problem, "auto"), problem)
     t0 = time.perf_counter()
-    gen_mesh, train_mesh = split_meshes(cfg.launch.nodes, cfg.launch.gpus_per_node, cfg.launch.gen_fraction)
+    if cfg.parallel.mode == "colocated":
+        whole = Mesh(0, cfg.launch.nodes * cfg.launch.gpus_per_node)
+        mode, meshes, method = "colocated", (whole, whole), "exhaustive with every role on the whole job"
+    elif cfg.launch.nodes < 2:
+        return plan_from_search(search(problem, "auto"), problem)
+    else:
+        mode, method = "disaggregated", f"exhaustive within a {cfg.launch.gen_fraction:g} generation split"
+        meshes = split_meshes(cfg.launch.nodes, cfg.launch.gpus_per_node, cfg.launch.gen_fraction)
     names = [r.name for r in problem.roles]
-    opts = [role_options(problem, r, "disaggregated", [gen_mesh if r.kind == "generate" else train_mesh])
-            for r in problem.roles]
+    opts = [role_options(problem, r, mode, [meshes[0] if r.kind == "generate" else meshes[1]]) for r in problem.roles]
     inst = Instance(opts, [[names.index(d) for d in r.deps] for r in problem.roles],
                     [{"generate": 0, "train": 1, "infer": 2}[r.kind] for r in problem.roles],
-                    names.index("actor_gen"), names.index("actor_train"), 1, problem.workload.max_staleness,
-                    _consts(problem))
+                    names.index("actor_gen"), names.index("actor_train"), MODES.index(mode),
+                    problem.workload.max_staleness, _consts(problem))
     choice, seconds = exhaustive(inst)
     if seconds >= INFEASIBLE:
-        raise LayoutError(f"no feasible plan with {gen_mesh} generating and {train_mesh} training")
-    result = SearchResult("disaggregated", choice, seconds, inst, f"exhaustive within a {cfg.launch.gen_fraction:g} "
-                          "generation split", time.perf_counter() - t0)
+        raise LayoutError(f"no feasible {mode} plan with {meshes[0]} generating and {meshes[1]} training")
+    result = SearchResult(mode, choice, seconds, inst, method, time.perf_counter() - t0)
     plan = plan_from_search(result, problem)
     plan.extra.pop("search_seconds", None)  # keeps rendered plans byte-identical (checked in CI)
     return plan

@@ -20,9 +20,10 @@ from typing import Any, Callable
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
+from realscale.parallel.device import cuda_usable
 
 
-def _advertised_host(bind_host: str) -> str:
+def advertised_host(bind_host: str) -> str:
     """The address other nodes reach a socket bound to ``bind_host`` on."""
     if bind_host in ("0.0.0.0", "", "::"):
         return socket.gethostname()
@@ -81,14 +82,14 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     tp = int(gen.get("tp", 1))  # ranks of this server: this task's process and tp - 1 it spawns
     threads = max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) // tp)
     torch.set_num_threads(threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda_usable() else "cpu"
     server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
                             context_length=int(gen["context_length"]), seed=seed, tp=tp, threads=threads)
     # bind port 0: the kernel picks a port free on this node, no race with other jobs
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((gen["host"], 0))
-    url = f"http://{_advertised_host(gen['host'])}:{sock.getsockname()[1]}"
+    url = f"http://{advertised_host(gen['host'])}:{sock.getsockname()[1]}"
     _publish(spec.url_dir, index, url)
     print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s))", flush=True)
     return serve(server, sock=sock)
@@ -114,7 +115,7 @@ def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
                          max_running_requests=int(gen["max_running_requests"]),
                          mem_fraction_static=float(gen["mem_fraction_static"]), seed=seed)
-    _publish(spec.url_dir, index, f"http://{_advertised_host(gen['host'])}:{port}")
+    _publish(spec.url_dir, index, f"http://{advertised_host(gen['host'])}:{port}")
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached
@@ -138,7 +139,7 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp))
     cmd = vllm_command(spec.model_dir, port, g, seed=seed, on_gpu=on_gpu, dtype=spec.config["model"]["dtype"])
-    _publish(spec.url_dir, index, f"http://{_advertised_host(g.host)}:{port}")
+    _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)
     return 0  # not reached

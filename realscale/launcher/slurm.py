@@ -15,6 +15,10 @@ module:
    (rank 0 publishes a free port) and runs ``rank_main``; rank 0 also runs the rollout
    controller.
 
+A colocated run (``parallel.mode: colocated``) has no step 2: its trainer ranks generate
+too, so the whole run is the one trainer step, on the plan's ``actor_train`` nodes
+(the ``actor_gen`` mesh is the same devices).
+
 Both steps run with ``--kill-on-bad-exit``: one task failing ends its step, and the
 supervisor then ends the other step and exits non-zero (the job fails, nothing hangs).
 On CPU jobs the steps share the allocation's CPUs (``--overlap``); on GPU jobs they get
@@ -102,9 +106,10 @@ def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -
     (servers first) on CPU jobs. A plan must fit the allocation (the rule of
     :mod:`realscale.planner.validate`, the same as the local backend's)."""
     world = cfg.parallel.world_size
+    servers = 0 if cfg.parallel.mode == "colocated" else cfg.generate.num_servers  # colocated: the ranks generate
     if cfg.launch.gpus_per_node == 0:
         _check_fits(cfg, nodes, env)
-        return Placement(nodes, cfg.generate.num_servers, 0, nodes, world, 0)
+        return Placement(nodes if servers else [], servers, 0, nodes, world, 0)
     if not cfg.parallel.plan:
         raise LaunchError("a GPU job (launch.gpus_per_node > 0) needs parallel.plan: render one with "
                           "`realscale sweep` or `realscale plan --out`")
@@ -122,8 +127,12 @@ def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -
     if train.strategy.world != world:
         raise LaunchError(f"{cfg.parallel.plan}: actor_train has {train.strategy.world} GPUs but parallel "
                           f"dp*tp*pp = {world}")
-    place = Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, gpn, nodes), gen.strategy.dp, gen.strategy.tp,
-                      _mesh_nodes(train.mesh.start, train.mesh.size, gpn, nodes), world, 1)
+    train_nodes = _mesh_nodes(train.mesh.start, train.mesh.size, gpn, nodes)
+    if servers:
+        place = Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, gpn, nodes), gen.strategy.dp, gen.strategy.tp,
+                          train_nodes, world, 1)
+    else:
+        place = Placement([], 0, 0, train_nodes, world, 1)
     _check_fits(cfg, nodes, env)
     return place
 

@@ -68,6 +68,10 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     save_config(cfg, out_dir)
     t0 = time.time()
     model_dir = prepare_policy_model(cfg, out_dir)
+    if cfg.algo.kl_coef:  # a reference of another architecture: one line now, not a rank's traceback later
+        from realscale.train.reference import reference_model_dir  # (imports torch)
+
+        reference_model_dir(cfg, model_dir)
     resumed = latest_checkpoint(out_dir) is not None
     start_path = os.path.join(out_dir, "eval_start.json")
     if resumed and os.path.exists(start_path):
@@ -82,7 +86,8 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     code = 0
     try:
         if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
-            urls = backend.start_servers(model_dir, asdict(cfg))
+            # colocated: the trainer ranks generate themselves (realscale/generate/colocated.py)
+            urls = [] if cfg.parallel.mode == "colocated" else backend.start_servers(model_dir, asdict(cfg))
             backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
             code = backend.wait()
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from realscale.parallel.device import store_group
 from realscale.parallel.mesh import Layout, LayoutError, Mesh, Strategy
 
 if TYPE_CHECKING:
@@ -118,14 +119,6 @@ def torch_dtype(name: str) -> "torch.dtype":
     return value
 
 
-def _pg(store: Any, rank: int, size: int, backend: str, timeout: datetime.timedelta) -> Any:
-    import torch.distributed as dist
-
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    return dist.ProcessGroupNCCL(store, rank, size)  # GPU only; not run on the CPU test machine
-
-
 def host_store(address: str, world_size: int, timeout_s: float) -> Any:
     """Rank 0's ``TCPStore`` on a port the OS picks (``.port``; no race for a free port);
     it does not wait for the others here, :class:`StoreGroup` does."""
@@ -156,7 +149,8 @@ class StoreGroup:
             store = dist.TCPStore(world.master_address, world.master_port, world.world_size, is_master=False,
                                   timeout=self.timeout)
         self.store = store
-        self.pg = _pg(dist.PrefixStore(f"{world.name}/all/", self.store), rank, self.size, self.backend, self.timeout)
+        self.pg = store_group(dist.PrefixStore(f"{world.name}/all/", self.store), rank, self.size, self.backend,
+                              self.timeout)
         self.subgroups: dict[tuple[int, ...], Any] = {}
 
     # -------------------------------------------------- the resharder's Comm
@@ -168,8 +162,8 @@ class StoreGroup:
             if self.rank in members and members not in self.subgroups:
                 key = "-".join(str(m) for m in members)
                 store = dist.PrefixStore(f"{self.world.name}/bcast/{key}/", self.store)
-                self.subgroups[members] = _pg(store, members.index(self.rank), len(members), self.backend,
-                                              self.timeout)
+                self.subgroups[members] = store_group(store, members.index(self.rank), len(members), self.backend,
+                                                      self.timeout)
 
     def isend(self, buf: "torch.Tensor", peer: int) -> Any:
         return self.pg.send([buf], peer, 0)
@@ -197,20 +191,6 @@ def _int64() -> Any:
     import torch
 
     return torch.int64
-
-
-def join_via_board(board: Any, template: WorldSpec, rank: int) -> tuple[WorldSpec, Any]:
-    """(world, hosted store) for processes that share a store ``board`` instead of HTTP
-    (tests, benchmarks): world rank 0 hosts the world's store on a port the OS picks and
-    publishes the world under its name; the others read it there (waiting for it)."""
-    import dataclasses
-
-    if rank == 0:
-        store = host_store(template.master_address, template.world_size, template.timeout_s)
-        world = dataclasses.replace(template, master_port=store.port)
-        board.set(world.name, json.dumps(world.to_json()))
-        return world, store
-    return WorldSpec.from_json(json.loads(board.get(template.name))), None
 
 
 # ----------------------------------------------------------------------------- trainer side

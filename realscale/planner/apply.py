@@ -7,7 +7,9 @@ places every role the runtime runs:
 - ``actor_gen`` -> ``generate.num_servers`` (its dp) and ``generate.tp`` (ranks per
   server; its pp must be 1);
 - ``critic_train`` (PPO with GAE) trains beside the actor (same ranks, same layout), so a
-  plan that puts it elsewhere is refused rather than silently ignored.
+  plan that puts it elsewhere is refused rather than silently ignored;
+- the plan's ``mode`` -> ``parallel.mode``; a colocated plan runs synchronously, so it
+  also sets ``rollout.max_staleness`` to 0 (saying so when the recipe had another value).
 
 It runs in the supervisor before any process starts, so a plan the runtime cannot
 execute (:mod:`realscale.planner.validate`) is refused with a one-line
@@ -45,10 +47,30 @@ def load_plan(cfg: "Config") -> "Plan":
 
 
 def apply_plan(cfg: "Config") -> "Config":
-    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp) and the
-    servers' count and tp from it."""
-    if not cfg.parallel.plan:
-        return cfg
+    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp), the
+    servers' count and tp, and the mode from it. A colocated run, planned or not, is
+    checked here too (:func:`realscale.planner.validate.check_colocated`)."""
+    from realscale.planner.validate import check_colocated
+
+    if cfg.parallel.plan:
+        plan = _checked_plan(cfg)
+        s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
+        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
+        cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
+        if cfg.parallel.sequence_parallel and s.tp == 1:
+            cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
+        cfg.parallel.mode = plan.mode
+        if plan.mode == "colocated" and cfg.rollout.max_staleness:
+            print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run "
+                  f"is synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
+            cfg.rollout.max_staleness = 0
+    if cfg.parallel.mode == "colocated":
+        where = f"parallel.plan {cfg.parallel.plan}: a colocated plan" if cfg.parallel.plan else "parallel.mode=colocated"
+        check_colocated(cfg, where)
+    return cfg
+
+
+def _checked_plan(cfg: "Config") -> "Plan":
     from realscale.planner.validate import check_plan, policy_spec
 
     plan = load_plan(cfg)
@@ -57,9 +79,4 @@ def apply_plan(cfg: "Config") -> "Config":
     except LayoutError as exc:
         raise ConfigError(f"parallel.plan: the policy model: {exc}") from None
     check_plan(plan, spec, f"parallel.plan {cfg.parallel.plan}")
-    s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
-    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
-    cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
-    if cfg.parallel.sequence_parallel and s.tp == 1:
-        cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
-    return cfg
+    return plan

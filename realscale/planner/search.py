@@ -6,7 +6,10 @@ Two modes:
   the makespan of a list schedule (a role starts when its inputs are ready and the GPUs of
   its mesh are free), plus moving the actor's weights from the training layout to the
   generation layout, plus offloading/reloading optimizer state when the training mesh is
-  shared. Generation pays the long tail (``gen_len`` steps per wave).
+  shared. Generation pays the long tail (``gen_len`` steps per wave). The actor generates
+  and trains on every GPU of the cluster (each trainer rank is one generation rank: the
+  runtime's colocated mode, :mod:`realscale.generate.colocated`); the other roles are
+  placed freely.
 - ``disaggregated`` (AReaL, arXiv 2505.24298): generation on its own GPUs, training roles on
   the rest. With staleness bound eta >= 1, generation and training overlap:
   ``step = max(T_gen, T_train) + T_sync``; with eta = 0 they alternate:
@@ -199,7 +202,10 @@ def build_instance(p: Problem, mode: str, meshes: list[Mesh] | None = None) -> I
         raise LayoutError(f"mode {mode!r} is not one of {MODES} (or 'auto')")
     names = [r.name for r in p.roles]
     kinds = [{"generate": 0, "train": 1, "infer": 2}[r.kind] for r in p.roles]
-    return Instance([role_options(p, r, mode, meshes) for r in p.roles],
+    whole = [Mesh(0, p.cluster.n_gpus)]
+    actor = ("actor_gen", "actor_train")  # colocated: on the whole cluster (module docstring)
+    return Instance([role_options(p, r, mode, whole if meshes is None and mode == "colocated" and r.name in actor
+                                  else meshes) for r in p.roles],
                     [[names.index(d) for d in r.deps] for r in p.roles], kinds,
                     names.index("actor_gen"), names.index("actor_train"), MODES.index(mode),
                     p.workload.max_staleness, _consts(p))

@@ -1,13 +1,21 @@
 """Can the runtime execute this plan, here? Checked before any process starts.
 
 A plan (``realscale plan ... --out plan.yaml``) places each role on a mesh with a (dp,
-tp, pp) strategy. The runtime runs the disaggregated (AReaL) mode with two roles:
-``actor_train`` (the Megatron trainer ranks) and ``actor_gen`` (``dp`` generation servers
-of ``tp`` ranks each). :func:`check_plan` refuses, in one line naming what is wrong:
+tp, pp) strategy. The runtime runs two roles, ``actor_train`` (the Megatron trainer ranks)
+and ``actor_gen`` (``dp`` generation replicas of ``tp`` ranks each), in either mode:
+disaggregated (AReaL: the replicas are generation servers on devices of their own) or
+colocated (ReaL: the trainer ranks themselves generate between updates,
+:mod:`realscale.generate.colocated`). :func:`check_plan` refuses, in one line naming what
+is wrong:
 
-- a mode or role the runtime does not place yet (colocated plans, reference / critic
-  roles: the next issue);
-- meshes that overlap in disaggregated mode;
+- a role the runtime does not place yet (roles other than the actor's, the critic's and
+  the reference's);
+- a critic or reference role off the actor's trainer devices: both run on the trainer
+  ranks in the actor's layout (``ref_inf``: any strategy, on some or all of
+  ``actor_train``'s devices; the runtime computes reference log-probs on all of them, in
+  the training layout);
+- meshes that overlap in disaggregated mode; in colocated mode, an ``actor_gen`` mesh
+  other than ``actor_train``'s (every trainer rank is one generation rank);
 - a layout the model cannot take (``ModelSpec.check_strategy``: tp must divide the
   heads, key/value groups and every split dimension, including the vocabulary padded to
   a multiple of 128; pp at most the layers, and Megatron needs equal stages); generation
@@ -16,7 +24,7 @@ of ``tp`` ranks each). :func:`check_plan` refuses, in one line naming what is wr
 :func:`check_capacity` refuses more ranks than there are places to run them. **The rule**
 (one function, used by the local launcher and by the Slurm backend): a run needs
 ``parallel.dp*tp*pp`` trainer ranks plus ``generate.num_servers * generate.tp`` server
-ranks, each on a device of its own:
+ranks (none in colocated mode: the trainer ranks generate), each on a device of its own:
 
 - on GPUs, one GPU per rank: the visible GPUs of this machine, or the job's
   ``nodes x launch.gpus_per_node`` under Slurm; never oversubscribed;
@@ -43,22 +51,23 @@ if TYPE_CHECKING:
     from realscale.planner.plan import Plan
 
 RUNTIME_ROLES = ("actor_train", "actor_gen")
+PLAN_MODES = ("disaggregated", "colocated")
 CRITIC_ROLES = ("critic_train", "critic_inf")  # PPO with GAE: optional, on the actor's ranks
+REF_ROLE = "ref_inf"  # the KL penalty's reference (algo.kl_coef > 0): optional, on the actor's devices
 
 
 def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
     """Raise :class:`ConfigError` unless the runtime can execute ``plan`` (``spec``: the
     policy model's, None when it cannot be known before the run starts)."""
-    if plan.mode != "disaggregated":
-        raise ConfigError(f"{where}: mode {plan.mode} is not run yet (the runtime runs disaggregated plans: "
-                          "realscale plan --mode disaggregated)")
+    if plan.mode not in PLAN_MODES:
+        raise ConfigError(f"{where}: mode {plan.mode!r} is not one of {', '.join(PLAN_MODES)}")
     for role in RUNTIME_ROLES:
         if role not in plan.roles:
             raise ConfigError(f"{where}: no {role} role (roles: {', '.join(plan.roles)})")
-    extra = [r for r in plan.roles if r not in (*RUNTIME_ROLES, *CRITIC_ROLES)]
+    extra = [r for r in plan.roles if r not in (*RUNTIME_ROLES, *CRITIC_ROLES, REF_ROLE)]
     if extra:
         raise ConfigError(f"{where}: role {extra[0]} is not placed by the runtime yet (only actor_train, "
-                          "actor_gen and the critic's; plan with --no-ref)")
+                          "actor_gen, ref_inf and the critic's)")
     train, gen = plan.roles["actor_train"], plan.roles["actor_gen"]
     # The critic's engine lives on the actor's trainer ranks in the actor's layout: critic_train
     # must be placed exactly there; critic_inf on the same devices (the runtime computes values
@@ -70,7 +79,14 @@ def check_plan(plan: "Plan", spec: "ModelSpec | None", where: str) -> None:
         if not same:
             raise ConfigError(f"{where}: {name} ({critic.strategy} on {critic.mesh}) must share actor_train's "
                               f"placement ({train.strategy} on {train.mesh}): the critic runs on the actor's ranks")
-    if train.mesh.overlaps(gen.mesh):
+    ref = plan.roles.get(REF_ROLE)  # on actor_train's devices (all or some): the runtime uses all of them
+    if ref is not None and not train.mesh.start <= ref.mesh.start < ref.mesh.end <= train.mesh.end:
+        raise ConfigError(f"{where}: ref_inf on {ref.mesh} must be on actor_train's devices ({train.mesh}): the "
+                          "reference runs on the trainer ranks in the actor's layout (its own mesh is not implemented)")
+    if plan.mode == "colocated" and gen.mesh != train.mesh:
+        raise ConfigError(f"{where}: a colocated plan generates on actor_train's devices (each trainer rank is "
+                          f"one generation rank): actor_gen {gen.mesh} must equal actor_train {train.mesh}")
+    if plan.mode == "disaggregated" and train.mesh.overlaps(gen.mesh):
         raise ConfigError(f"{where}: actor_train {train.mesh} and actor_gen {gen.mesh} overlap; a disaggregated "
                           "plan gives each role its own devices")
     if gen.strategy.pp != 1:
@@ -92,8 +108,27 @@ def _check_model(spec: "ModelSpec", role: str, strategy: object, where: str) -> 
                           "(Megatron needs equal pipeline stages)")
 
 
+def check_colocated(cfg: "Config", where: str) -> None:
+    """A colocated run (after its plan, if any, was applied): the trainer ranks generate with
+    the embedded decoder, every rank in the generation layout, synchronously."""
+    g, world = cfg.generate, cfg.parallel.world_size
+    problem = ""
+    if g.backend != "embedded":
+        problem = f"the trainer ranks generate with the embedded decoder; generate.backend={g.backend} runs servers"
+    elif g.num_servers * g.tp != world:
+        problem = (f"generate.num_servers x generate.tp = {g.num_servers} x {g.tp} must equal the trainer's "
+                   f"{world} ranks (each trainer rank is one generation rank)")
+    elif cfg.rollout.max_staleness != 0:
+        problem = (f"generation and training take turns, so a step is synchronous: set rollout.max_staleness=0 "
+                   f"(got {cfg.rollout.max_staleness})")
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+
+
 def ranks_needed(cfg: "Config") -> tuple[int, int]:
-    """(trainer ranks, generation-server ranks) of a run."""
+    """(trainer ranks, generation-server ranks) of a run; colocated runs have no servers."""
+    if cfg.parallel.mode == "colocated":
+        return cfg.parallel.world_size, 0
     return cfg.parallel.world_size, cfg.generate.num_servers * cfg.generate.tp
 
 

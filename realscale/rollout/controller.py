@@ -160,10 +160,7 @@ class RolloutController:
         r = cfg.rollout
         return cls(client, dataset, workflow, StalenessManager(r.batch_size, r.max_staleness, r.max_concurrent),
                    filter_all_equal=r.filter_all_equal, max_consecutive_failures=r.max_consecutive_failures,
-                   version=version, client_kwargs={"request_timeout": cfg.generate.request_timeout,
-                                                  "timeout_slack": cfg.generate.timeout_slack,
-                                                  "dialect": dialect_for(cfg.generate.backend)},
-                   max_ahead=r.max_ahead)
+                   version=version, client_kwargs=client_kwargs(cfg), max_ahead=r.max_ahead)
 
     # ================================================================== trainer API
 
@@ -242,6 +239,13 @@ class RolloutController:
         self._require_started("submit")
         return asyncio.run_coroutine_threadsafe(_await(fn, self.client), self._loop)
 
+    def retire_servers(self, urls: Sequence[str], timeout: float = 60.0) -> None:
+        """Generate on these servers no more: a weight update could not reach them, so they
+        would serve old weights under the new version (rank 0's server control, which
+        sends the updates with its own client, says which)."""
+        self._require_started("retire_servers")
+        asyncio.run_coroutine_threadsafe(self._retire(set(urls)), self._loop).result(timeout)
+
     @property
     def version(self) -> int:
         return self._version
@@ -314,6 +318,14 @@ class RolloutController:
         self._wake = asyncio.Event()
         self.client = self._client_factory()
         await self.client.start()
+
+    async def _retire(self, urls: set[str]) -> None:
+        known = {s.url for s in self.client.servers}
+        if urls - known:
+            raise ValueError(f"retire_servers: {sorted(urls - known)} are not servers of this controller ({sorted(known)})")
+        for server in self.client.servers:
+            if server.url in urls:
+                server.retired, server.healthy = True, False
 
     async def _submit_loop(self) -> None:
         """Top up to capacity whenever something changes; runs until stop()."""
@@ -527,6 +539,18 @@ class RolloutController:
 
 
 # ====================================================================== module helpers
+
+
+def client_kwargs(cfg: Any) -> dict[str, Any]:
+    """InferenceClient options from ``cfg.generate``: the controller's client and rank 0's
+    server-control client are made alike."""
+    g = cfg.generate
+    return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend)}
+
+
+def client_factory(cfg: Any, urls: Sequence[str]) -> Callable[[], Any]:
+    """Makes (unstarted) InferenceClients for ``urls`` set up by ``cfg``."""
+    return _client_factory(urls, client_kwargs(cfg))
 
 
 async def _await(fn: Callable[[Any], Any], client: Any) -> Any:

@@ -4,11 +4,15 @@
   mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``; for GAE the
   token rewards, advantages follow from the critic's values) and the policy version of
   every token, plus rollout statistics.
-- :func:`update_policy`: the decoupled PPO update of ARCHITECTURE.md over
-  ``train.mini_batches`` mini-batches; each data-parallel rank trains its token-balanced
-  share; proximal log-probs (and with a critic, values and GAE advantages) come from the
-  models before the first update; the critic (:mod:`realscale.train.critic`) then takes
-  its value-loss steps on the same shares.
+- :func:`split_for_dp` (driver): the batch into ``train.mini_batches`` mini-batches, each
+  into token-balanced data-parallel shares; :func:`stage_needs`: which parts of a share
+  each pipeline stage reads (the batch scatter sends only those).
+- :func:`update_policy`: the decoupled PPO update of ARCHITECTURE.md over this rank's
+  shares of the mini-batches; proximal log-probs (and with a critic, values and GAE
+  advantages) come from the models before the first update; the critic
+  (:mod:`realscale.train.critic`) then takes its value-loss steps on the same shares. With
+  a reference policy (:mod:`realscale.train.reference`, ``algo.kl_coef > 0``) its
+  log-probs are computed then too, and the loss adds the KL penalty.
 
 The loss arguments come from :func:`realscale.algo.losses.loss_kwargs_from_config`, the
 one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
@@ -25,9 +29,11 @@ from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
+    from realscale.parallel.batch_scatter import StageNeeds
     from realscale.rollout.types import Group
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
+    from realscale.train.reference import ReferenceEngine
 
 
 def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "AlgoConfig") -> torch.Tensor:
@@ -74,27 +80,81 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
     return batch, stats
 
 
-def share_for_rank(batch: PackedBatch, dp: int, dp_rank: int) -> PackedBatch:
-    """This DP rank's sequences, balanced by token count across ranks."""
+def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
+    """``batch`` split into ``dp`` shares balanced by token count (one partition for all)."""
     if dp == 1:
-        return batch
+        return [batch]
     from realscale.data.packing import balanced_partition
 
-    assign = balanced_partition(batch.seqlens().numpy(), dp)
-    mine = [i for i, b in enumerate(assign.tolist()) if b == dp_rank]
-    if not mine:
-        raise RuntimeError(f"DP rank {dp_rank} received no sequences (batch of {batch.num_seqs} for dp={dp})")
-    return batch.select(mine)
+    assign = balanced_partition(batch.seqlens().numpy(), dp).tolist()
+    shares = []
+    for rank in range(dp):
+        mine = [i for i, b in enumerate(assign) if b == rank]
+        if not mine:
+            raise RuntimeError(f"DP rank {rank} received no sequences (batch of {batch.num_seqs} for dp={dp})")
+        shares.append(batch.select(mine))
+    return shares
+
+
+def split_for_dp(batch: PackedBatch, num_mini_batches: int, dp: int) -> list[list[PackedBatch]]:
+    """The driver's split of a step's batch: ``out[d][m]`` is DP rank ``d``'s share of
+    mini-batch ``m`` (what :class:`realscale.parallel.batch_scatter.BatchScatter` delivers)."""
+    parts = mini_batches(batch, num_mini_batches)
+    if any(p.num_seqs < dp for p in parts):
+        raise ValueError(f"a mini-batch has fewer sequences than dp={dp}: raise rollout.batch_size or lower "
+                         f"train.mini_batches ({num_mini_batches})")
+    by_part = [dp_shares(p, dp) for p in parts]
+    return [[shares[d] for shares in by_part] for d in range(dp)]
+
+
+def share_for_rank(batch: PackedBatch, dp: int, dp_rank: int) -> PackedBatch:
+    """This DP rank's sequences, balanced by token count across ranks (the rule
+    :func:`dp_shares` applies to every rank at once)."""
+    return dp_shares(batch, dp)[dp_rank]
 
 
 def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
-    """Rank ``src``'s batch on every trainer rank (torch.distributed, gloo or NCCL)."""
+    """Rank ``src``'s whole batch on every trainer rank, pickled (``broadcast_object_list``).
+    The path :class:`~realscale.parallel.batch_scatter.BatchScatter` replaced in the RL
+    loop; tests and ``benchmarks/bench_batch_transfer.py`` compare with it."""
     import torch.distributed as dist
 
     holder = [batch.to_payload() if batch is not None else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(holder, src=src)
     return PackedBatch.from_payload(holder[0])
+
+
+LOSS_FIELDS = ("loss_mask", "behav_logprobs", "advantages")  # the batch fields ppo_loss_fn reads
+
+
+def stage_needs(algo: "AlgoConfig") -> "StageNeeds":
+    """What each pipeline stage of the engine reads from its share (so only that is sent):
+
+    - every stage splits its share into micro-batches by ``cu_seqlens`` and sums the loss
+      normaliser over them (``MegatronEngine.train_step`` all-reduces it within the
+      stage): :func:`normalizer_fn` reads ``loss_mask``;
+    - the first stage embeds ``input_ids``;
+    - the last stage takes its targets from ``input_ids`` and evaluates
+      :func:`ppo_loss_fn`, which reads :data:`LOSS_FIELDS`;
+    - with ``normalize_adv_over_batch`` every stage takes part in the moments' all-reduce
+      over its DP group (:func:`normalize_over_batch`): ``advantages`` everywhere;
+    - with GAE every rank computes the advantages from the critic's values
+      (:func:`realscale.train.critic.gae_advantages`): ``rewards`` everywhere, and the
+      batch's placeholder ``advantages`` are not sent at all.
+
+    Proximal and reference log-probs and the critic's values are computed on every rank,
+    never sent; the token versions stay on the driver (nothing in the update reads them)."""
+    from realscale.parallel.batch_scatter import StageNeeds
+
+    every = ["loss_mask"]
+    last = ["input_ids", *LOSS_FIELDS]
+    if algo.adv_estimator == "gae":
+        every.append("rewards")
+        last.remove("advantages")
+    elif algo.normalize_adv_over_batch:
+        every.append("advantages")
+    return StageNeeds(first=("input_ids", *every), middle=tuple(every), last=(*last, *every))
 
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
@@ -105,7 +165,7 @@ def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
 
     def loss(logp: torch.Tensor, mb: PackedBatch, normalizer: torch.Tensor
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        f = mb.fields
+        f = {k: v.to(logp.device) for k, v in mb.fields.items()}  # on GPUs the fields come from CPU
         return ppo_loss(logp, f["behav_logprobs"], f["advantages"], f["loss_mask"],
                         logp_prox=f.get("prox_logprobs") if algo.decoupled else None,
                         logp_ref=f.get("ref_logprobs"),
@@ -142,22 +202,35 @@ def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> 
         s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
 
 
-def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
-                  critic: "CriticEngine | None" = None) -> dict[str, float]:
-    """PPO mini-batches over the global batch; each DP rank trains its token-balanced share
-    of each mini-batch. Every trainer rank calls it with the same batch. With a
-    ``critic`` (GAE), its values give the advantages and it is updated after the actor."""
+def reference_kl(engine: "MegatronEngine", ref: "ReferenceEngine", shares: list[PackedBatch],
+                 algo: "AlgoConfig") -> dict[str, float]:
+    """Reference log-probs on every share, and the measured KL of the policy before this
+    step's update (the proximal log-probs; computed here when not decoupled)."""
+    from realscale.train.reference import add_ref_logprobs, measured_kl
+
+    add_ref_logprobs(ref, shares)
+    key = "prox_logprobs"
+    if not algo.decoupled:  # no proximal pass to reuse: one forward, for the measurement only
+        key = "policy_logprobs"
+        for share in shares:
+            share.fields[key] = engine.logprobs(share)["logprobs"]
+    return {"actor/kl_ref": measured_kl(shares, key, algo, engine.ranks)}
+
+
+def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Config",
+                  critic: "CriticEngine | None" = None, ref: "ReferenceEngine | None" = None) -> dict[str, float]:
+    """PPO mini-batches: ``shares`` holds this DP rank's token-balanced share of each
+    mini-batch (:func:`split_for_dp` on the driver, delivered by the batch scatter); every
+    trainer rank calls it. With a ``critic`` (GAE), its values give the advantages and it
+    is updated after the actor. With a reference ``ref``, its log-probs enter the loss
+    (``algo.kl_coef``) and the measured KL is reported (``actor/kl_ref``)."""
     r = engine.ranks
-    parts = mini_batches(batch, cfg.train.mini_batches)
-    if any(p.num_seqs < r.dp for p in parts):
-        raise ValueError(f"a mini-batch has fewer sequences than dp={r.dp}: raise rollout.batch_size or lower "
-                         f"train.mini_batches ({cfg.train.mini_batches})")
-    shares = [share_for_rank(p, r.dp, r.dp_rank) for p in parts]
     for share in shares:
         if cfg.algo.decoupled:
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
         if critic is not None:
             gae_advantages(critic, share, cfg.algo)
+    kl_stats = reference_kl(engine, ref, shares, cfg.algo) if ref is not None else {}
     if cfg.algo.normalize_adv_over_batch:
         normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
@@ -165,6 +238,9 @@ def update_policy(engine: "MegatronEngine", batch: PackedBatch, cfg: "Config",
     for share in shares:
         step_stats = engine.train_step(share, loss_fn, norm_fn)
     stats = {f"train/{k}": v for k, v in step_stats.items()}
+    stats.update(kl_stats)
+    if "train/kl" in stats:
+        stats["actor/kl_loss"] = cfg.algo.kl_coef * stats["train/kl"]
     if critic is not None:
         stats.update(update_critic(critic, shares, cfg.critic))
     return stats

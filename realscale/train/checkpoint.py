@@ -31,7 +31,6 @@ import shutil
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
-    from realscale.rollout.types import Group
     from realscale.train.engine import MegatronEngine
 
 LATEST = "latest_checkpoint"
@@ -175,10 +174,10 @@ def disk_usage(out_dir: str) -> dict[str, float]:
             "disk/free_bytes": float(shutil.disk_usage(out_dir).free)}
 
 
-def record_trained(out_dir: str, step: int, groups: list["Group"]) -> None:
-    """Which prompts ``step`` trained on (audits resume: nothing repeated or skipped)."""
+def record_trained(out_dir: str, step: int, uids: list[str]) -> None:
+    """Which prompts (sample uids) ``step`` trained on (audits resume: nothing repeated or skipped)."""
     with open(os.path.join(out_dir, "trained_uids.jsonl"), "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"step": step, "uids": [g.uid for g in groups]}) + "\n")
+        fh.write(json.dumps({"step": step, "uids": list(uids)}) + "\n")
 
 
 def truncate_logs(out_dir: str, last_step: int) -> None:

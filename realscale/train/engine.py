@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 NormalizerFn = Callable[[PackedBatch], torch.Tensor]
+# Statistics that are a micro-batch's share of a loss term normalised over the global batch
+# (realscale.algo.losses, realscale.algo.value): the step's value is their sum, not their mean.
+SUMMED_STATS = frozenset({"loss", "pg_loss", "kl", "value_loss"})
 
 
 def masked_tokens(mb: PackedBatch) -> torch.Tensor:
@@ -101,6 +104,13 @@ def resolve_recompute(cfg: Any) -> str:
 
     train = load_plan(cfg).roles.get("actor_train")
     return train.recompute if train is not None else "none"
+
+
+def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
+    """Which sequences of ``batch`` each balanced micro-batch under ``max_tokens`` holds."""
+    from realscale.data.packing import pack_micro_batches
+
+    return [idx for idx in pack_micro_batches(batch.seqlens().tolist(), max_tokens, dp=1, multiple_of=1)[0] if idx]
 
 
 class MegatronEngine:
@@ -254,10 +264,7 @@ class MegatronEngine:
 
     def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[list[int]]]:
         """Balanced micro-batches under the token budget, and which sequences each holds."""
-        from realscale.data.packing import pack_micro_batches
-
-        plan = [idx for idx in pack_micro_batches(batch.seqlens().tolist(), self.ec.max_tokens_per_micro_batch,
-                                                  dp=1, multiple_of=1)[0] if idx]
+        plan = micro_batch_plan(batch, self.ec.max_tokens_per_micro_batch)
         return [batch.select(idx) for idx in plan], plan
 
     def _run_schedule(self, mbs: list[PackedBatch], forward_only: bool,
@@ -409,8 +416,9 @@ class MegatronEngine:
         return stats
 
     def _reduce_stats(self, results: list[dict[str, Any]]) -> dict[str, float]:
-        """Loss: summed over micro-batches and DP ranks (each is a share of the global
-        mean); other stats: mean over micro-batches and ranks. Sent from the last stage."""
+        """Loss terms (:data:`SUMMED_STATS`): summed over micro-batches and DP ranks (each
+        is a share of the global mean); other stats: mean over micro-batches and ranks.
+        Sent from the last stage."""
         import torch.distributed as dist
 
         keys = sorted(results[0]) if results else []
@@ -422,7 +430,7 @@ class MegatronEngine:
         if self.ranks.is_last_stage:
             for i, key in enumerate(keys):
                 vals = torch.stack([r[key].double().reshape(()) for r in results])
-                vec[i] = vals.sum() if key == "loss" else vals.mean()
+                vec[i] = vals.sum() if key in SUMMED_STATS else vals.mean()
         vec = to_comm(vec, dist.get_backend())
         if self.ec.pp > 1:
             dist.broadcast(vec, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
@@ -431,7 +439,7 @@ class MegatronEngine:
         vec = vec.cpu()
         if self.ranks.dp > 1:
             for i, key in enumerate(keys):
-                if key != "loss":
+                if key not in SUMMED_STATS:
                     vec[i] /= self.ranks.dp
         return {k: float(v) for k, v in zip(keys, vec)}
 

@@ -70,3 +70,31 @@ def test_seed_of_reads_older_results_from_their_overrides() -> None:
     del old["seed"]
     old["overrides"] = ["rollout.batch_size=4", "run.seed=3"]
     assert bench_async._seed_of(old) == 3
+
+
+def test_aggregate_adds_the_colocated_baseline_when_every_pair_ran_it() -> None:
+    pairs = [_pair(1, 400.0, 10.0, 100.0, 10.0, 0.0, 0.0), _pair(2, 300.0, 10.0, 100.0, 10.0, 0.0, 0.0)]
+    assert "vs_colocated" not in bench_async.aggregate(pairs)
+    for p, (ratio, gap) in zip(pairs, ((2.0, -1.0), (0.5, 3.0))):
+        p["runs"]["colocated_eta0"] = {}
+        p.update({"throughput_ratio_vs_colocated": ratio, "throughput_ratio_colocated_vs_sync": 4.0 / ratio,
+                  "trained_samples_per_s_ratio_vs_colocated": ratio,
+                  "accuracy_gap_vs_colocated_points": {"greedy": gap, "sampled": gap}})
+    c = bench_async.aggregate(pairs)["vs_colocated"]
+    assert c["throughput_ratio_geomean"] == pytest.approx(1.0)  # sqrt(2 * 0.5)
+    assert c["colocated_vs_sync_geomean"] == pytest.approx(4.0)
+    assert c["accuracy_gap_points"]["sampled"]["mean"] == pytest.approx(1.0)
+    assert c["task_accuracy_gap_points"] is None
+    assert "vs colocated eta=0" in bench_async._seeds_table(bench_async.aggregate(pairs), 4)
+
+
+def test_colocated_plan_uses_the_cores_of_the_disaggregated_runs(tmp_path) -> None:
+    from realscale.config import load_config
+    from realscale.planner.apply import apply_plan
+
+    cfg = load_config(os.path.join(os.path.dirname(_PATH), "..", "configs", "long_tail_cpu.yaml"))
+    overrides = bench_async.colocated_plan(cfg, str(tmp_path / "plan.yaml"))
+    placed = apply_plan(load_config(None, [*overrides, "model.path=tiny-qwen2", "rollout.max_staleness=0"]))
+    cores = cfg.parallel.world_size + cfg.generate.num_servers * cfg.generate.tp
+    assert placed.parallel.mode == "colocated" and placed.parallel.world_size == cores == 2
+    assert placed.generate.num_servers * placed.generate.tp == cores

@@ -49,7 +49,8 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
 
     from realscale.config import config_from_dict
     from realscale.generate.publish import ServerControl, ServerEndpoint, transport_for
-    from realscale.rollout.factory import build_controller
+    from realscale.rollout.controller import client_factory
+    from realscale.rollout.process import LocalRollouts
     from realscale.train.batch import PackedBatch
     from realscale.train.engine import EngineConfig, MegatronEngine
 
@@ -58,10 +59,9 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
                                       temperature=params["temperature"]))
     control, controller = None, None
     if dist.get_rank() == 0:
-        controller = build_controller(cfg, base_dir, [u for u, _ in servers], out_dir)
-        controller.pause()  # the trainer's driver starts it paused too; nothing is submitted
-        controller.start()
-        control = ServerControl(controller, [ServerEndpoint(u, r) for u, r in servers])
+        urls = [u for u, _ in servers]
+        controller = LocalRollouts.build(cfg, base_dir, urls, out_dir)  # started paused, as the driver's
+        control = ServerControl(controller, [ServerEndpoint(u, r) for u, r in servers], client_factory(cfg, urls))
     transport = transport_for(cfg, out_dir)
     transport.connect(eng, control)
     stats = [transport.send(eng, v, control) for v in versions]
@@ -73,6 +73,7 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
     trained = _split(eng.logprobs(PackedBatch.from_sequences(box[0]))["logprobs"], box[0])
     transport.close()
     if controller is not None:
+        control.close()
         controller.stop()
     if results is None:
         return {}

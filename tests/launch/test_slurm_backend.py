@@ -105,3 +105,35 @@ def test_launch_config_errors() -> None:
     with pytest.raises(ConfigError, match="launch.backend"):
         load_config(None, ["launch.backend=k8s"])
     assert load_config(None, ["launch.time=1-12:00:00"]).launch.time == "1-12:00:00"
+
+
+def test_a_colocated_plan_is_one_step_of_trainer_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU job: the rendered plan puts every role on all the job's GPUs and the placement
+    starts no server step; the trainer step is the whole run."""
+    from realscale.launcher import slurm
+    from realscale.parallel.mesh import Mesh
+    from realscale.planner.apply import apply_plan
+
+    cfg = load_config(str(REPO / "configs" / "r1_distill_qwen_7b_math.yaml"),
+                      ["parallel.mode=colocated", "rollout.max_staleness=0", "launch.nodes=2",
+                       "generate.backend=embedded"])
+    plan = plan_for(cfg)
+    gen, train = plan.roles["actor_gen"], plan.roles["actor_train"]
+    assert plan.mode == "colocated" and gen.mesh == train.mesh == Mesh(0, 16)
+    (tmp_path / "plan.yaml").write_text(plan.to_yaml())
+    cfg.parallel.plan = str(tmp_path / "plan.yaml")
+    cfg = apply_plan(cfg)
+    nodes = ["gpu1", "gpu2"]
+    p = placement(cfg, nodes)
+    assert (p.servers, p.server_nodes, p.train_nodes, p.ranks, p.gpus_per_rank) == (0, [], nodes, 16, 1)
+    # CPU job: the same, without a plan
+    tiny = load_config(str(REPO / "configs" / "ppo_tiny_slurm.yaml"),
+                       ["parallel.mode=colocated", "generate.num_servers=2", "rollout.max_staleness=0"])
+    assert placement(apply_plan(tiny), ["vm"]).servers == 0
+    # what the backend would run: one srun, a task per trainer rank
+    started: list[list[str]] = []
+    monkeypatch.setattr(slurm, "start_step", lambda name, cmd, log, env: started.append(cmd))
+    monkeypatch.setattr(slurm.shutil, "which", lambda _: "/usr/bin/srun")
+    backend = slurm.SlurmBackend(tiny, str(tmp_path / "run"), env={"SLURM_JOB_NODELIST": "vm", "SLURM_JOB_ID": "7"})
+    backend.start_ranks(print, 2, ({}, "m", [], str(tmp_path / "run")))
+    assert len(started) == 1 and "--ntasks=2" in started[0] and "--job-name=rs-trainer" in started[0]

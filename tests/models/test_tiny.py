@@ -92,7 +92,8 @@ def test_untrained_model_samples_a_real_distribution(tmp_path, monkeypatch, name
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from realscale.generate.engine import Engine, Request, SamplingOptions
+    from realscale.generate.engine import Request, SamplingOptions
+    from realscale.generate.server import EmbeddedServer
 
     monkeypatch.setenv("REALSCALE_CACHE", str(tmp_path))
     path = tiny.resolve_model_path(name)
@@ -103,12 +104,12 @@ def test_untrained_model_samples_a_real_distribution(tmp_path, monkeypatch, name
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
     entropy = float(-(logp.exp() * logp).sum())
     assert entropy > 0.5 * math.log(len(tok)), f"{name}: next-token entropy {entropy:.3f} nats"
-    engine = Engine(model, tok, seed=0)
+    server = EmbeddedServer(path, seed=0, context_length=128)  # the serving path: decoder over Megatron-layout shards
     try:
         req = Request("r", ids, SamplingOptions(max_new_tokens=32, temperature=1.0, ignore_eos=True),
                       return_logprob=True)
-        out = engine.submit(req).result(timeout=120)
+        out = server.engine.submit(req).result(timeout=120)
     finally:
-        engine.shutdown()
+        server.close()
     assert len(set(out.output_ids)) >= 8, out.output_ids
     assert max(out.logprobs) < -0.5  # no token is sampled with (near) certainty

@@ -29,6 +29,7 @@ def worker(cases: list[tuple[bool, Layout, Layout, int, int]]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    from realscale.parallel.device import comm_device
     from realscale.parallel.reshard import lower_bound_elems, plan_reshard
     from realscale.parallel.reshard_exec import Resharder, pack_shard
 
@@ -43,6 +44,8 @@ def worker(cases: list[tuple[bool, Layout, Layout, int, int]]) -> list[dict]:
         want = pack_shard(spec, dst, rank, full)
         same = (got is None and want is None) or (got is not None and want is not None and torch.equal(got, want))
         lb = lower_bound_elems(spec, src, dst).get(rank, 0) * 4
+        # every buffer the resharder hands to a collective is where the device helper says
+        on_comm = rs.device == comm_device(dist.get_backend()) and (got is None or got.device == rs.device)
         out.append({"case": f"{src} -> {dst}", "identical": same, "recv": stats.recv_bytes, "lower_bound": lb,
-                    "plan_recv": plan.recv_bytes(rank)})
+                    "plan_recv": plan.recv_bytes(rank), "on_comm_device": on_comm})
     return out

@@ -47,3 +47,27 @@ def test_senders_and_resharder_put_their_buffers_where_the_helper_says() -> None
     from realscale.generate.weight_sync import WeightSender
 
     assert WeightSender("127.0.0.1", 1, 2, backend="gloo").device == comm_device("gloo")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_every_rank_device_comes_from_one_helper_on_cpu(monkeypatch) -> None:
+    from realscale.parallel.device import BackendError, local_device, rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_device() == torch.device("cpu")  # a trainer rank (GPUs: cuda:<LOCAL_RANK>, made current)
+    assert rank_device("cpu", 1) == torch.device("cpu")  # a server rank (GPUs: cuda:<first + rank>, made current)
+    with pytest.raises(BackendError, match="needs CUDA"):
+        rank_device("cuda:0", 1)
+
+
+def test_the_weight_world_buffers_follow_the_helper() -> None:
+    """A trainer rank's source buffer and a server rank's receive buffer are made by the
+    same helper the collective's device comes from."""
+    from realscale.parallel.device import store_group
+
+    buf = comm_empty(3, torch.float32, "gloo")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    pg = store_group(store, 0, 1, "gloo", datetime.timedelta(seconds=30))
+    assert group_backend(pg) == "gloo" and buf.device == comm_device(group_backend(pg))
+    pg.allreduce([buf.fill_(1.0)]).wait()  # it enters the collective as it is
+    assert buf.tolist() == [1.0, 1.0, 1.0]

@@ -53,6 +53,7 @@ def test_reshard_8_gloo_ranks_bit_identical_at_lower_bound():
             r = per_rank[rank][ci]
             assert r["identical"], f"rank {rank}: {r['case']} does not match direct slicing"
             assert r["recv"] == r["lower_bound"] == r["plan_recv"], f"rank {rank}: {r}"
+            assert r["on_comm_device"], f"rank {rank}: {r['case']}: buffers off the collective's device"
     # The sweep moved data (a plan that sends nothing would pass the equality above only
     # for the identity case).
     assert sum(per_rank[r][1]["recv"] for r in range(8)) > 0

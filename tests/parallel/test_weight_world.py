@@ -1,67 +1,69 @@
-"""The weight world: real Megatron trainer ranks (tp2, pp2, tp2xpp2) send their shards
-shard-to-shard into destination ranks laid out as (a) two 1-rank servers and (b) one
-2-rank server; after every step each destination rank's tensors hash equal to the
-trainer's exported weights sliced for it, and it received exactly the lower bound."""
+"""The weight world on the running path: real Megatron trainer ranks (tp2, pp2, tp2xpp2,
+four gloo processes) run ``ReshardTransport`` as the trainer does into real embedded
+servers laid out as (a) two 1-rank servers and (b) one server with 2 ranks (two
+processes). After every step each server rank's tensors hash equal to the trainer's
+exported weights sliced for it, carry the new version, and each server rank received
+exactly its own shard, straight from the trainer ranks (no funnel through the server's
+rank 0 or the trainer's): bytes = the plan's lower bound."""
 
 from __future__ import annotations
 
 import pytest
-from weight_world_cases import host_rendezvous, server_worker, trainer_worker
+from weight_world_cases import trainer_into_servers
 
 from realscale.parallel.mesh import LayoutError
-from realscale.parallel.spawn import DistributedJob, run_distributed
+from realscale.parallel.spawn import run_distributed
 from realscale.parallel.weight_world import WorldSpec
 
 # 4 trainer ranks: tp2 (with 2 data-parallel replicas), pp2 (2 replicas), tp2 x pp2.
 LAYOUTS = ["d2t2p1", "d2t1p2", "d1t2p2"]
-DESTINATIONS = {"2x1": [1, 1], "1x2": [2]}
+STEPS = 2
 
 
-def _cases(digest: str) -> list[tuple[str, list[dict]]]:
-    """Per trainer layout, its worlds (port 0: trainer rank 0 hosts the store and
-    publishes the port through the test's rendezvous store)."""
-    return [(strategy, [WorldSpec("127.0.0.1", 0, f"{strategy}-{dst}", "gloo", strategy, servers, spec_digest=digest,
-                                  timeout_s=600).to_json() for dst, servers in DESTINATIONS.items()])
-            for strategy in LAYOUTS]
+def _shard_bytes(model: str, servers: list[int]) -> list[int]:
+    """Bytes of each server rank's shard (float32), in world order."""
+    import torch
+
+    from realscale.generate.weights import model_spec, read_hf_config
+    from realscale.parallel.reshard import shard_index
+
+    spec, _ = model_spec(read_hf_config(model), 1, torch.float32)
+    _, dst = WorldSpec("127.0.0.1", 1, "w", "gloo", LAYOUTS[0], servers).layouts()
+    return [shard_index(spec, dst, g).numel * 4 for g in dst.mesh.gpus]
 
 
 @pytest.mark.multiproc
-def test_trainer_layouts_into_one_and_two_rank_servers_bit_identical_at_lower_bound():
-    import torch
-
-    from realscale.generate.weight_world_routes import server_spec
+def test_trainer_layouts_into_real_one_and_two_rank_servers_bit_identical_at_lower_bound():
+    from realscale.generate.server import EmbeddedServer, start_in_thread
     from realscale.models.tiny import resolve_model_path
-    from realscale.parallel.weight_world import spec_digest
 
     model = resolve_model_path("tiny-qwen2")
-    cases = _cases(spec_digest(server_spec(model, torch.float32)))
-    board, rdzv = host_rendezvous()
-    servers = DistributedJob(server_worker, 2, model, cases, rdzv)
+    started = []
     try:
-        trainers = run_distributed(trainer_worker, 4, model, cases, rdzv, timeout=900)
-    except BaseException:
-        servers.kill()  # they would wait for trainers that are gone
-        raise
-    dests = servers.wait(timeout=300)
-    expected = {(r["world"], r["step"]): r for r in trainers[0]}
-    sent: dict = {}
-    for rank_results in trainers:
-        for r in rank_results:
-            sent[(r["world"], r["step"])] = sent.get((r["world"], r["step"]), 0) + r["sent"]
-    received: dict = {}
-    for rank_results in dests:
-        for r in rank_results:
-            key = (r["world"], r["step"])
-            want = expected[key]["expected"][r["rank"]]
-            assert r["hashes"] == want, f"{key} rank {r['rank']}: tensors differ: " \
-                f"{sorted(n for n in want if want[n] != r['hashes'].get(n))[:4]}"
-            received[key] = received.get(key, 0) + r["recv"]
-    assert len(received) == len(LAYOUTS) * len(DESTINATIONS) * 2
-    for key, got in received.items():
-        assert got == expected[key]["lower_bound"] > 0, key
-        # every trainer rank sent only what it held: the senders' bytes add up to at most
-        # what the destinations received (a broadcast sends once for several receivers)
-        assert 0 < sent[key] <= got, key
+        for tp in (1, 1, 2):  # built here, on the main thread: a tp=2 server's rank dies with it
+            started.append(start_in_thread(EmbeddedServer(model, max_running=4, context_length=128, tp=tp)))
+        urls = [u for u, _ in started]
+        servers = {"2x1": [(urls[0], 1), (urls[1], 1)], "1x2": [(urls[2], 2)]}
+        ranks = run_distributed(trainer_into_servers, 4, model, LAYOUTS, servers, STEPS, timeout=900)
+    finally:
+        for _, stop in started:
+            stop()
+    rank0 = {r["case"]: r for r in ranks[0]}
+    assert len(rank0) == len(LAYOUTS) * len(servers) * STEPS
+    shards = {dst: _shard_bytes(model, [n for _, n in eps]) for dst, eps in servers.items()}
+    for case, r in rank0.items():
+        _, dst, _ = case
+        for held in r["held"]:
+            assert held["differ"] == [], f"{case} server {held['server']} rank {held['rank']}: {held['differ'][:4]}"
+            assert held["version"] == r["version"], case
+        assert len(r["held"]) == 2, case  # both server ranks checked, in either layout
+        # every server rank reported receiving its own shard, whole, once
+        assert [b for per_server in r["received"] for b in per_server] == shards[dst], case
+        assert r["bytes"] == r["lower_bound"] == sum(shards[dst]) > 0, case
+        # trainer ranks sent what they held, from several ranks (no funnel through rank 0);
+        # a broadcast to several receivers sends once, so the senders' sum is at most that
+        sent = [next(x["sent"] for x in rank if x["case"] == case) for rank in ranks]
+        assert 0 < sum(sent) <= r["bytes"] and sum(1 for b in sent if b) >= 2, (case, sent)
 
 
 def test_world_spec_refuses_what_no_plan_can_serve():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import pytest
 
@@ -30,6 +31,11 @@ def server(_server):
         async with InferenceClient([url]) as client:
             await client.update_weights_from_disk(srv.model_path, 0)
 
+    # The previous test's client has gone; the server aborts its requests as it notices the
+    # closed connections (asynchronously), and a flushing load refuses while any remain.
+    deadline = time.monotonic() + 60
+    while (srv.engine.running or srv.engine.waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
     asyncio.run(reset())
     return url, srv
 

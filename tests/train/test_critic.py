@@ -1,6 +1,7 @@
 """The critic of PPO with GAE: token rewards, value loss that falls on a task with
-per-token structure, and one trainer rank equal to two (DP=2, TP=2) for the critic and for
-the actor trained on its advantages (normalised over the global batch)."""
+per-token structure, and one trainer rank equal to two (DP=2, TP=2, PP=2; shares delivered
+by the batch scatter) for the critic and for the actor trained on its advantages
+(normalised over the global batch)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_token_rewards_sit_on_the_last_trained_token() -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(900)  # three spawned runs of actor + critic
+@pytest.mark.timeout(900)  # four spawned runs of actor + critic
 def test_value_loss_falls_and_two_ranks_match_one() -> None:
     model = resolve_model_path("tiny-qwen2")
     one = run_distributed(cases.critic_steps, 1, model, 1, 1, 6, timeout=600)[0]
@@ -35,10 +36,12 @@ def test_value_loss_falls_and_two_ranks_match_one() -> None:
         seg = slice(cu[i], cu[i + 1])
         assert torch.allclose(one["returns"][seg][mask[seg]], torch.tensor(r))
         assert torch.allclose(one["advantages"][seg][mask[seg]], torch.tensor(r))
-    for tp, dp in ((1, 2), (2, 1)):
-        two = run_distributed(cases.critic_steps, 2, model, tp, dp, 1, timeout=600)[0]
-        assert abs(two["losses"][0] - losses[0]) <= 1e-4 * abs(losses[0]), (tp, dp)
-        assert torch.allclose(one["values"][0], two["values"][0], atol=1e-4, rtol=0), (tp, dp)
+    # each rank fed by the batch scatter; pp=2: every stage gets the token rewards (GAE runs
+    # on every rank), no stage gets the placeholder advantages
+    for tp, dp, pp in ((1, 2, 1), (2, 1, 1), (1, 1, 2)):
+        two = run_distributed(cases.critic_steps, 2, model, tp, dp, 1, 1.0, 1e-3, pp, timeout=600)[0]
+        assert abs(two["losses"][0] - losses[0]) <= 1e-4 * abs(losses[0]), (tp, dp, pp)
+        assert torch.allclose(one["values"][0], two["values"][0], atol=1e-4, rtol=0), (tp, dp, pp)
         # the actor trained on the same advantages (normalised over the global batch: an
         # all-reduce across DP ranks): the same policy
-        assert torch.allclose(one["policy"][0], two["policy"][0], atol=1e-4, rtol=0), (tp, dp)
+        assert torch.allclose(one["policy"][0], two["policy"][0], atol=1e-4, rtol=0), (tp, dp, pp)

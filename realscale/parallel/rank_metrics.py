@@ -1,0 +1,74 @@
+"""Per-rank figures of a step, gathered to the driver: does one rank hold the others up?
+
+Trainer ranks run in lockstep (every collective waits for the slowest), so a step's wall
+time is the same on all of them and cannot say which rank is slow. The time each rank
+spends computing can: :class:`ComputeClock` hangs megatron's own timers
+(:class:`megatron.core.timers.Timers`) on the engine's model config, and the pipeline
+schedule then times every micro-batch's ``forward-compute`` and ``backward-compute``.
+Those exclude the data-parallel gradient reduction and the pipeline's sends and receives
+(waits for other ranks); a TP group's per-layer collectives are inside them (TP peers
+wait for each other there). On GPUs megatron's timers synchronise the device at each
+start and stop (one sync per micro-batch forward and backward; not measured here: no GPU).
+
+:func:`gather_figures` all-gathers a few floats per rank once per step (one small
+collective); :func:`step_figures` turns them into the step's metrics:
+
+- ``perf/compute_s_rank0`` / ``perf/compute_s_max_other``: forward/backward compute seconds
+  of rank 0 and of the slowest other rank (rank 0 also hosts the rollout side);
+- ``perf/batch_bytes`` (sum over ranks of the tensor bytes received),
+  ``perf/batch_header_bytes``, ``perf/batch_s`` (the slowest rank's transfer time) from
+  :class:`realscale.parallel.batch_scatter.ScatterStats`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMPUTE_TIMERS = ("forward-compute", "backward-compute")
+
+
+class ComputeClock:
+    """Forward/backward compute seconds of this rank, from megatron's schedule timers, over
+    every model it runs (the actor; the critic and the reference when present: one clock on
+all their configs)."""
+
+    def __init__(self, *model_configs: Any) -> None:
+        from megatron.core.timers import Timers
+
+        self.timers = Timers(log_level=2, log_option="max")
+        for config in model_configs:
+            config.timers = self.timers
+            # the schedule's whole-step timer would otherwise start with a global barrier
+            config.barrier_with_L1_time = False
+
+    def seconds(self) -> float:
+        """Compute seconds since the previous call."""
+        return sum(self.timers(name).elapsed(reset=True) for name in COMPUTE_TIMERS)
+
+
+def gather_figures(local: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's ``local`` figures (same keys on every rank), in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    from realscale.parallel.device import to_comm
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [dict(local)]
+    keys = sorted(local)
+    backend = dist.get_backend()
+    mine = to_comm(torch.tensor([local[k] for k in keys], dtype=torch.float64), backend)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [dict(zip(keys, t.cpu().tolist())) for t in out]
+
+
+def step_figures(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from every rank's figures (module docstring)."""
+    out = {"perf/batch_bytes": sum(r["batch_bytes"] for r in per_rank),
+           "perf/batch_header_bytes": sum(r["batch_header_bytes"] for r in per_rank),
+           "perf/batch_s": max(r["batch_s"] for r in per_rank),
+           "perf/compute_s_rank0": per_rank[0]["compute_s"]}
+    if len(per_rank) > 1:
+        out["perf/compute_s_max_other"] = max(r["compute_s"] for r in per_rank[1:])
+    return out

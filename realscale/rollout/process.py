@@ -1,0 +1,345 @@
+"""The rollout controller in its own process, so that trainer rank 0 trains like the others.
+
+Trainer rank 0 (the driver) used to run the controller on a thread of its own process:
+its event loop, HTTP client, workflow and reward scoring shared rank 0's interpreter
+(the GIL) and cores with the training step, and rank 0 built every batch from Python
+lists. Here the controller lives in a child process (:class:`ControllerProcess`) and
+rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
+
+- ``next_batch(n, version, timeout)`` -> :class:`RolloutBatch`: the child takes the ``n``
+  groups (waiting at most the recipe's batch limit, :func:`wait_for_groups`) and packs
+  them (:func:`pack_groups`); the packed tensors cross the pipe as raw bytes behind a
+  small pickled header (token lists are never pickled);
+- ``pause()`` / ``resume()`` (no new prompts, and the request clocks of the controller's
+  client held, while the servers are paused for a weight update), ``set_version(v)``,
+  ``retire(urls)``, ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
+  the child), ``state_dict()``; ``stop()`` ends the child.
+
+:class:`LocalRollouts` is the same interface around a controller on a thread of this
+process (``rollout.controller_process=false``: the former arrangement, kept to measure
+what the process saves, and for debugging). Server control does not go through the
+controller: :class:`realscale.generate.publish.ServerControl` keeps its own client in
+rank 0 for pauses and weight updates, and tells the controller which servers a weight
+update retired (``retire``) so that generation stops using them.
+
+Failures: an exception in the child is raised again in rank 0 with its type and message
+(``RolloutError``, ``TimeoutError``, a config error at start-up; its traceback goes to
+the child's stderr); a child that dies is a :class:`RolloutError` naming its exit code;
+the child exits when rank 0 goes away (the pipe closes; on Linux the kernel's
+parent-death signal as well).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from realscale.rollout.controller import RolloutError
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from realscale.config import AlgoConfig, Config
+    from realscale.rollout.controller import RolloutController
+    from realscale.rollout.types import Group
+    from realscale.train.batch import PackedBatch
+
+log = logging.getLogger(__name__)
+
+OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "stats", "reward_pool_stats", "state_dict")
+POLL_S = 1.0  # how often a waiting rank 0 checks that the child is alive
+BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts, packed: the batch, its rollout statistics, and the uids of the
+    prompts it trains on (for ``trained_uids.jsonl``)."""
+
+    batch: "PackedBatch"
+    stats: dict[str, float] = field(default_factory=dict)
+    uids: list[str] = field(default_factory=list)
+
+
+def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> RolloutBatch:
+    """Groups -> packed batch with advantages, plus rollout and staleness statistics."""
+    from realscale.train.actor import groups_to_batch
+
+    batch, stats = groups_to_batch(groups, algo)
+    lags = [version - g.min_version for g in groups]
+    stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags)),
+                  "perf/trained_tokens": float(batch.fields["loss_mask"].sum())})
+    return RolloutBatch(batch, stats, [g.uid for g in groups])
+
+
+def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int) -> list["Group"]:
+    """``num_groups`` groups from the controller, waiting at most the batch limit that
+    follows from the recipe's generation length and the measured decode rate (none while
+    the request limit is none; realscale/generate/timeouts.py). The limit is re-read while
+    waiting, as rates get measured."""
+    r, g = cfg.rollout, cfg.generate
+    start = time.monotonic()
+    while True:
+        limit = controller.client.timeouts.batch_limit(
+            g.max_new_tokens, num_groups * r.n_samples, g.num_servers * g.max_running_requests)
+        left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+        try:
+            return controller.get_batch(num_groups, timeout=max(left, 0.0))
+        except TimeoutError:
+            if limit is not None and time.monotonic() - start >= limit:
+                raise
+
+
+class LocalRollouts:
+    """The rollout interface around a controller in this process (a thread runs its loop)."""
+
+    def __init__(self, controller: "RolloutController", cfg: "Config") -> None:
+        self.controller, self.cfg = controller, cfg
+
+    @classmethod
+    def build(cls, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
+              state: dict[str, Any] | None = None) -> "LocalRollouts":
+        """The run's controller (resumed from ``state``), started paused: generation waits
+        until the servers hold this run's weights."""
+        from realscale.rollout.factory import build_controller
+
+        controller = build_controller(cfg, model_dir, server_urls, out_dir)
+        if state is not None:
+            controller.load_state_dict(state)
+        controller.pause()
+        controller.start()
+        return cls(controller, cfg)
+
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+        """The next ``num_groups`` groups, packed; staleness measured against ``version``
+        (the trainer's). ``timeout``: seconds, or None for the recipe's batch limit."""
+        if timeout is None:
+            groups = wait_for_groups(self.controller, self.cfg, num_groups)
+        else:
+            groups = self.controller.get_batch(num_groups, timeout=timeout)
+        return pack_groups(groups, self.cfg.algo, version)
+
+    def pause(self) -> None:
+        """No new prompts; the servers are being paused, so requests held there do not
+        run out of time (the controller's client keeps its own request clocks)."""
+        self.controller.pause()
+        self.controller.call(_hold_clocks)
+
+    def resume(self) -> None:
+        self.controller.call(_release_clocks)
+        self.controller.resume()
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+
+    def retire(self, urls: list[str]) -> None:
+        self.controller.retire_servers(urls)
+
+    def stats(self) -> dict[str, Any]:
+        return self.controller.stats()
+
+    def reward_pool_stats(self) -> dict[str, float]:
+        from realscale.rollout.rewards import reward_pool_stats
+
+        return reward_pool_stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def stop(self) -> None:
+        self.controller.stop()
+
+
+async def _hold_clocks(client: Any) -> None:
+    client.timeouts.pause()
+
+
+async def _release_clocks(client: Any) -> None:
+    client.timeouts.resume()
+
+
+class ControllerProcess:
+    """The rollout interface of :class:`LocalRollouts`, served by a child process. The
+    constructor returns once the child's controller is built and started (paused)."""
+
+    def __init__(self, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
+                 state: dict[str, Any] | None = None) -> None:
+        import multiprocessing as mp
+        from dataclasses import asdict
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        # Not daemonic: reward scoring may start processes of its own.
+        self._proc = ctx.Process(target=_serve, args=(child, asdict(cfg), model_dir, server_urls, out_dir, state),
+                                 name="rollout-controller")
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._stopped = False
+        with self._lock:
+            self._reply()  # built and started, or its start-up error
+
+    def _call(self, op: str, *args: Any) -> Any:
+        if self._stopped:
+            raise RolloutError(f"rollout controller process: {op}() after stop()")
+        with self._lock:
+            self._conn.send((op, args))
+            return self._reply()
+
+    def _reply(self) -> Any:
+        while not self._conn.poll(POLL_S):
+            if not self._proc.is_alive() and not self._conn.poll(0):
+                raise RolloutError(f"the rollout controller process died (exit code {self._proc.exitcode})")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):  # the child closed its end, or died with it
+            self._proc.join(5)
+            raise RolloutError(f"the rollout controller process died (exit code {self._proc.exitcode})") from None
+        if kind == "error":
+            raise payload
+        if kind == "batch":
+            return _recv_batch(self._conn, payload)
+        return payload
+
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+        return self._call("next_batch", num_groups, version, timeout)
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def set_version(self, version: int) -> None:
+        self._call("set_version", version)
+
+    def retire(self, urls: list[str]) -> None:
+        self._call("retire", list(urls))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def reward_pool_stats(self) -> dict[str, float]:
+        return self._call("reward_pool_stats")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the controller and end the child (killed if it does not end in time)."""
+        if self._stopped:
+            return
+        try:
+            if self._proc.is_alive():
+                self._call("stop")
+        except (RolloutError, OSError) as exc:
+            log.warning("rollout controller process did not stop cleanly: %r", exc)
+        finally:
+            self._stopped = True
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+            self._conn.close()
+
+
+Rollouts = LocalRollouts | ControllerProcess  # what the trainer's driver holds
+
+
+def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
+                   state: dict[str, Any] | None = None) -> Rollouts:
+    """The run's rollouts, in a process of their own unless ``rollout.controller_process``
+    is false; started paused."""
+    if cfg.rollout.controller_process:
+        return ControllerProcess(cfg, model_dir, server_urls, out_dir, state)
+    return LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state)
+
+
+# ---------------------------------------------------------------------- the child
+
+
+def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str,
+           state: dict[str, Any] | None) -> None:
+    """The child: build and start the controller, then answer rank 0 until stop or EOF."""
+    from realscale.launcher.local import die_with_parent
+
+    die_with_parent()
+    import torch
+
+    torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
+    from realscale.config import config_from_dict
+
+    try:
+        rollouts = LocalRollouts.build(config_from_dict(cfg_dict), model_dir, server_urls, out_dir, state)
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        _send_error(conn, exc)
+        return
+    conn.send(("ok", None))
+    try:
+        _answer(conn, rollouts)
+    finally:
+        rollouts.stop()
+
+
+def _answer(conn: "Connection", rollouts: LocalRollouts) -> None:
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if op == "stop":
+            rollouts.stop()
+            conn.send(("ok", None))
+            return
+        try:
+            if op not in OPERATIONS:
+                raise ValueError(f"rollout controller process: unknown operation {op!r}")
+            result = getattr(rollouts, op)(*args)
+        except Exception as exc:  # noqa: BLE001 - raised again in rank 0
+            _send_error(conn, exc)
+            continue
+        if isinstance(result, RolloutBatch):
+            _send_batch(conn, result)
+        else:
+            conn.send(("ok", result))
+
+
+def _send_error(conn: "Connection", exc: BaseException) -> None:
+    if not isinstance(exc, (RolloutError, TimeoutError)):
+        log.error("rollout controller process: %s", exc, exc_info=exc)
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle goes as its text
+        exc = RolloutError(f"{type(exc).__name__}: {exc}")
+    conn.send(("error", exc))
+
+
+# ---------------------------------------------------------------------- batches over the pipe
+
+
+def _send_batch(conn: "Connection", rb: RolloutBatch) -> None:
+    """Header (stats, uids, per tensor: name, dtype, shape), then each tensor's raw bytes."""
+    import torch
+
+    parts = {k: v.contiguous() for k, v in rb.batch.to_payload().items()}
+    spec = [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in parts.items()]
+    conn.send(("batch", {"stats": rb.stats, "uids": rb.uids, "spec": spec}))
+    for tensor in parts.values():
+        conn.send_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _recv_batch(conn: "Connection", header: dict[str, Any]) -> RolloutBatch:
+    import torch
+
+    from realscale.train.batch import PackedBatch
+
+    payload = {}
+    for key, dtype, shape in header["spec"]:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        conn.recv_bytes_into(tensor.reshape(-1).view(torch.uint8).numpy())
+        payload[key] = tensor
+    return RolloutBatch(PackedBatch.from_payload(payload), header["stats"], header["uids"])

@@ -1,0 +1,89 @@
+"""The rollout controller in its own process, against a real embedded server: batches
+come back packed, rank 0's server control pauses and updates the servers with its own
+client, errors keep their type, a dead child is an error, and retired servers and paused
+request clocks reach the controller's client."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from realscale.config import load_config
+from realscale.generate.publish import ServerControl, ServerEndpoint
+from realscale.rollout.controller import RolloutError, client_factory
+from realscale.rollout.process import ControllerProcess, LocalRollouts, start_rollouts
+
+
+def _cfg(arith_jsonl: str, *extra: str):
+    return load_config(None, ["rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1",
+                              "rollout.max_concurrent=4", f"data.source={arith_jsonl}", "generate.max_new_tokens=8",
+                              *extra])
+
+
+def test_controller_process_trains_three_versions(server, arith_jsonl, tmp_path) -> None:
+    url, srv = server
+    cfg = _cfg(arith_jsonl)
+    rollouts = start_rollouts(cfg, srv.model_path, [url], str(tmp_path))
+    assert isinstance(rollouts, ControllerProcess)
+    control = ServerControl(rollouts, [ServerEndpoint(url)], client_factory(cfg, [url]))
+    try:
+        rollouts.resume()
+        for version in range(3):
+            rb = rollouts.next_batch(2, version, timeout=300)
+            b = rb.batch
+            assert b.num_seqs == 4 and len(rb.uids) == 2
+            assert b.input_ids.dtype == torch.long and b.cu_seqlens[-1] == b.num_tokens
+            assert set(b.fields) == {"loss_mask", "behav_logprobs", "advantages", "versions"}
+            assert 0 <= rb.stats["staleness/max"] <= 1
+            assert rb.stats["perf/trained_tokens"] == float(b.fields["loss_mask"].sum()) > 0
+            control.pause(cfg.generate.pause_mode)
+            control.run(lambda c, v=version: c.update_weights_from_disk(srv.model_path, v + 1))
+            control.resume(version + 1)
+        stats = rollouts.stats()
+        assert stats["consumed"] == 6 and stats["version"] == 3
+        assert rollouts.state_dict()["consumed"] == 6
+        with pytest.raises(TimeoutError, match="get_batch"):  # the child's error, its type kept
+            rollouts.next_batch(50, 3, timeout=0.5)
+    finally:
+        control.close()
+        rollouts.stop()
+    assert rollouts._proc.exitcode == 0
+
+
+def test_start_up_error_and_dead_child_are_reported(server, arith_jsonl, tmp_path) -> None:
+    url, srv = server
+    from realscale.data.dataset import DatasetError
+
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        ControllerProcess(_cfg("/no/such.jsonl"), srv.model_path, [url], str(tmp_path))
+    rollouts = ControllerProcess(_cfg(arith_jsonl), srv.model_path, [url], str(tmp_path))
+    os.kill(rollouts._proc.pid, signal.SIGKILL)
+    with pytest.raises(RolloutError, match="died"):
+        rollouts.stats()
+    rollouts.stop()
+
+
+def test_servers_a_weight_update_retired_leave_generation(server, arith_jsonl, tmp_path) -> None:
+    url, srv = server
+    cfg = _cfg(arith_jsonl, "rollout.controller_process=false")
+    rollouts = start_rollouts(cfg, srv.model_path, [url], str(tmp_path))
+    assert isinstance(rollouts, LocalRollouts)
+    control = ServerControl(rollouts, [ServerEndpoint(url)], client_factory(cfg, [url]))
+    try:
+        with pytest.raises(ValueError, match="not servers of this controller"):
+            rollouts.retire(["http://127.0.0.1:1"])
+        gen_clock = rollouts.controller.client.timeouts
+        control.pause(cfg.generate.pause_mode)
+        # the generation client's requests do not run out of time while the servers are paused
+        assert gen_clock._paused_at is not None and control.client.timeouts._paused_at is not None
+        control.client.servers[0].retired = True  # as when it missed a weight update
+        control.resume(1)
+        gen = rollouts.controller.client.servers[0]
+        assert gen.retired and not gen.healthy and rollouts.stats()["version"] == 1
+        assert gen_clock._paused_at is None
+    finally:
+        control.close()
+        rollouts.stop()

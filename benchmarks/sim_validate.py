@@ -48,7 +48,10 @@ def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
         summary["steps"] = cfg.run.total_steps
         nice = os.nice(0)
         cmd = ("nice -n {} ".format(nice) if nice else "") + "python benchmarks/sim_validate.py --measure-default"
-        result = {"benchmark": "default_recipe_run", "command": cmd,
+        import subprocess
+
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        result = {"benchmark": "default_recipe_run", "command": cmd, "code": head.stdout.strip() or "unknown",
                   "recipe": recipe, "overrides": overrides, "summary": summary, "command_seconds": t,
                   "machine": {"cpus": os.cpu_count(), "niceness": nice,
                               "load_avg_1_5_15": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}},

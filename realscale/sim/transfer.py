@@ -20,8 +20,9 @@ Both terms are ``latency_s + bytes x seconds_per_byte`` (:class:`LinkCost`), eac
   (:func:`assumed_batch_cost`) it leaves one host at the profile's InfiniBand bandwidth
   times ``eff.link`` (**assumed**). :func:`batch_cost_from_bench` reads
   ``benchmarks/results/bench_batch_transfer.json`` (``benchmarks/bench_batch_transfer.py``,
-  the batch scatter against the pickled broadcast): seconds against the batch's bytes for
-  one method's rows, and the measured bytes per token.
+  the batch scatter against the pickled broadcast, 2 and 4 gloo ranks): the benchmark's
+  own line for one method (``data_path_model``) or one through its rows, and the bytes
+  delivered per token. Those are CPU/gloo figures; a GPU cluster's are not measured.
 
 The fit (:func:`robust_line`): Siegel's repeated median, so measurements slowed by bursts
 of load from other processes do not tilt the line (the benchmarks ran on a shared machine; their load is in their JSON).
@@ -104,20 +105,27 @@ def weight_cost_from_bench(path: str = WEIGHT_SYNC_BENCH) -> LinkCost:
 
 
 def batch_cost_from_bench(path: str = BATCH_TRANSFER_BENCH, method: str = "scatter") -> LinkCost:
-    """The measured batch path: seconds against the batch's bytes for ``method``'s rows, and
-    the measured bytes per token (``batch_bytes / tokens``)."""
+    """The measured batch path of ``method``: the benchmark's own fit (``data_path_model``:
+    seconds = fixed_s + s_per_byte x bytes delivered to the trainer ranks) when it has one,
+    else a line through its rows (seconds against bytes delivered); bytes per trained token
+    from the rows (delivered bytes over tokens)."""
     data = _load(path, "batch transfer")
     rows = [r for r in data.get("rows", []) if r.get("method") == method]
     if not rows:
         raise WorkloadError(f"batch transfer: {path} has no rows of method {method!r}")
     try:
-        points = [(float(r["batch_bytes"]), float(r["seconds"])) for r in rows]
-        per_token = sum(float(r["batch_bytes"]) for r in rows) / sum(float(r["tokens"]) for r in rows)
+        points = [(float(r.get("bytes", r["batch_bytes"])), float(r["seconds"])) for r in rows]
+        per_token = sum(x for x, _ in points) / sum(float(r["tokens"]) for r in rows)
     except (KeyError, TypeError, ValueError):
-        raise WorkloadError(f"batch transfer: {path}: rows need batch_bytes, seconds and tokens") from None
-    a, b = robust_line(points)
-    ref = (f"{path}: the {method} path on gloo, {len(rows)} rows "
-           f"({data.get('uptime', 'load not recorded').split('load average:')[-1].strip()} load)")
+        raise WorkloadError(f"batch transfer: {path}: rows need bytes (or batch_bytes), seconds and tokens") from None
+    model = data.get("data_path_model", {}).get(method)
+    load = data.get("uptime", "load not recorded").split("load average:")[-1].strip()
+    if model:
+        a, b = float(model["fixed_s"]), float(model["s_per_byte"])
+        ref = f"{path}: data_path_model[{method}] ({model.get('rows', '?')} rows, gloo, {load} load)"
+    else:
+        a, b = robust_line(points)
+        ref = f"{path}: the {method} rows on gloo, a line through {len(rows)} ({load} load)"
     return LinkCost(a, b, Source("measured", ref), bytes_per_token=per_token)
 
 

@@ -51,6 +51,12 @@ def test_batch_cost_reads_one_methods_rows(tmp_path) -> None:
     cost = T.batch_cost_from_bench(_batch_results(tmp_path, rows))
     assert cost.latency_s == pytest.approx(1e-3) and cost.seconds_per_byte == pytest.approx(2e-10)
     assert cost.bytes_per_token == pytest.approx(20) and cost.source.kind == "measured"
+    fitted = _batch_results(tmp_path, rows)
+    data = json.loads(open(fitted).read())
+    data["data_path_model"] = {"scatter": {"fixed_s": 0.1, "s_per_byte": 4e-9, "rows": 3}}
+    open(fitted, "w").write(json.dumps(data))
+    own = T.batch_cost_from_bench(fitted)  # the benchmark's own line wins over a refit
+    assert (own.latency_s, own.seconds_per_byte) == (0.1, 4e-9) and "data_path_model" in own.source.ref
     with pytest.raises(WorkloadError, match="two or more sizes"):  # one broadcast row: no line
         T.batch_cost_from_bench(_batch_results(tmp_path, rows), "broadcast")
     with pytest.raises(WorkloadError, match="no rows of method 'pipe'"):
@@ -60,6 +66,11 @@ def test_batch_cost_reads_one_methods_rows(tmp_path) -> None:
     with pytest.raises(WorkloadError, match="--batch-path fast"):
         T.batch_cost("fast", builtin_profile("H100"))
     assert T.batch_cost("assumed", builtin_profile("H100")).source.kind == "assumed"
+
+
+def test_batch_cost_from_the_committed_batch_transfer_benchmark() -> None:
+    cost = T.batch_cost_from_bench(os.path.join(REPO, T.BATCH_TRANSFER_BENCH))
+    assert cost.source.kind == "measured" and cost.seconds_per_byte > 0 and 4 <= cost.bytes_per_token <= 64
 
 
 def test_sync_uses_the_measured_cost_of_the_busiest_gpu() -> None:

@@ -3,6 +3,7 @@
     python benchmarks/sim_scaling.py calibrate   # fit on the 1.5B figures -> results/sim_calibration.json (~1-3 h)
     python benchmarks/sim_scaling.py predict     # held-out 7B / 32B / Table 1 -> results/sim_predictions.json
     python benchmarks/sim_scaling.py figures     # PNGs + markdown tables per model, AReaL vs planner to 1,024 GPUs
+    python benchmarks/sim_scaling.py eta         # the staleness bound's share: η = 0..8, AReaL's layout vs the plan
 
 ``figures`` writes, into benchmarks/results/: ``sim_scaling_<size>.png`` (effective
 training tokens/s vs GPUs, log-log: AReaL asynchronous, verl synchronous, linear scaling
@@ -223,6 +224,29 @@ def cmd_figures(args: argparse.Namespace) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()]})
 
 
+def cmd_eta(args: argparse.Namespace) -> None:
+    """The staleness bound's share of the gains: effective tokens/s at η = 0..8 for AReaL's
+    layout and the planner's, at a few scales."""
+    from realscale.sim import paper as P
+
+    cal = _load_cal()
+    out = []
+    for point in args.points.split(","):
+        size, gpus, ctx = point.split(":")
+        g, max_new = int(gpus), int(ctx) * 1024 - 1024
+        layout, _ = P.planner_layout(cal, size, g, max_new)
+        etas = (0, 1, 2, 4, 8)
+        row = {"size": size, "gpus": g, "context": int(ctx) * 1024, "plan_layout": _describe(layout),
+               "areal": P.eta_sweep(cal, size, g, max_new, etas=etas, sample=args.sample),
+               "plan": P.eta_sweep(cal, size, g, max_new, layout=layout, etas=etas, sample=args.sample)}
+        out.append(row)
+        print(f"{size} {g} GPUs {ctx}k: " + "  ".join(f"η={e}: {row['areal'][e] / 1e3:.1f}k / {row['plan'][e] / 1e3:.1f}k"
+                                                   for e in etas) + "  (AReaL layout / plan)", flush=True)
+    _write(os.path.join(RESULTS, "sim_eta_sweep.json"),
+           {"command": f"python benchmarks/sim_scaling.py eta --points {args.points}", "sample": args.sample,
+            "calibration": os.path.relpath(CAL_PATH, REPO), "rows": out, "date": time.strftime("%Y-%m-%d %H:%M")})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -239,8 +263,11 @@ def main() -> int:
     f = sub.add_parser("figures")
     f.add_argument("--sample", type=float, default=0.25)
     f.add_argument("--sizes", default="1.5b,7b,32b")
+    e = sub.add_parser("eta")
+    e.add_argument("--points", default="1.5b:256:32,7b:512:32,32b:512:32", help="size:gpus:context_k,...")
+    e.add_argument("--sample", type=float, default=0.25)
     args = ap.parse_args()
-    {"calibrate": cmd_calibrate, "predict": cmd_predict, "figures": cmd_figures}[args.cmd](args)
+    {"calibrate": cmd_calibrate, "predict": cmd_predict, "figures": cmd_figures, "eta": cmd_eta}[args.cmd](args)
     return 0
 
 

@@ -99,9 +99,17 @@ def weight_cost_from_bench(path: str = WEIGHT_SYNC_BENCH) -> LinkCost:
         except (KeyError, TypeError, ValueError):
             raise WorkloadError(f"weight sync: {path}: a row lacks ours_bytes / ours_s / destination: {row}") from None
     a, b = robust_line(points)
-    ref = (f"{path}: the resharder's data path on gloo, {len(points)} rows (`{data.get('command', '?')}`, "
-           f"{data.get('uptime', 'load not recorded').split('load average:')[-1].strip()} load)")
+    ref = (f"{path}: the resharder's data path on gloo, {len(points)} rows (`{data.get('command', '?').strip()}`, "
+           f"{_load_avg(data)})")
     return LinkCost(a, b, Source("measured", ref))
+
+
+def _load_avg(data: dict[str, Any]) -> str:
+    """The load average a results file recorded (``uptime``, or ``uptime_at_start``)."""
+    for key in ("uptime", "uptime_at_start", "uptime_start"):
+        if key in data and "load average:" in str(data[key]):
+            return "load average " + str(data[key]).split("load average:")[-1].strip()
+    return "load not recorded"
 
 
 def batch_cost_from_bench(path: str = BATCH_TRANSFER_BENCH, method: str = "scatter") -> LinkCost:
@@ -119,13 +127,13 @@ def batch_cost_from_bench(path: str = BATCH_TRANSFER_BENCH, method: str = "scatt
     except (KeyError, TypeError, ValueError):
         raise WorkloadError(f"batch transfer: {path}: rows need bytes (or batch_bytes), seconds and tokens") from None
     model = data.get("data_path_model", {}).get(method)
-    load = data.get("uptime", "load not recorded").split("load average:")[-1].strip()
+    load = _load_avg(data)
     if model:
         a, b = float(model["fixed_s"]), float(model["s_per_byte"])
-        ref = f"{path}: data_path_model[{method}] ({model.get('rows', '?')} rows, gloo, {load} load)"
+        ref = f"{path}: data_path_model[{method}] ({model.get('rows', '?')} rows, gloo, {load})"
     else:
         a, b = robust_line(points)
-        ref = f"{path}: the {method} rows on gloo, a line through {len(rows)} ({load} load)"
+        ref = f"{path}: the {method} rows on gloo, a line through {len(rows)} ({load})"
     return LinkCost(a, b, Source("measured", ref), bytes_per_token=per_token)
 
 

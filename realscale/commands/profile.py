@@ -1,6 +1,6 @@
 """``realscale profile``: measure this machine's hardware profile for the cost model and the simulator.
 
-    realscale profile --out benchmarks/results/cpu_profile.json        # ~5 min on 2 cores
+    realscale profile --repeats 7 --out benchmarks/results/cpu_profile.json   # ~12 min on 2 cores
     realscale plan --profile benchmarks/results/cpu_profile.json ...   # the planner on it
     realscale simulate configs/long_tail_cpu.yaml --profile benchmarks/results/cpu_profile.json
     realscale profile --show H800                                      # a profile's constants + sources

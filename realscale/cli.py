@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("realscale.commands.eval", "pass@k / avg@n / maj@n of a model on a benchmark file or a task, through generation servers"),
     "data": ("realscale.commands.data", "convert public dataset layouts (GSM8K, MATH, AIME, AReaL, code) into the recipe format"),
     "sweep": ("realscale.commands.sweep", "render one plan and one sbatch job per model size (or config axis); --dry-run prints them"),
+    "profile": ("realscale.commands.profile", "measure this machine's hardware profile (decode, train step, weight sync) for the cost model"),
+    "simulate": ("realscale.commands.simulate", "simulate whole RL runs (async vs sync) from a recipe or plan: tokens/s, idle, timeline"),
     "rank": ("realscale.commands.rank", "one trainer rank or generation server of a launched run (under srun, torchrun or mpirun)"),
 }
 

@@ -145,8 +145,10 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch. On CPU (local layer spec) attention is a dense block-causal mask over the packed row, so its cost grows with the square of this budget: keep it near 512 there.")
     mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
     logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
+    recompute: str = knob("auto", "Activation recomputation (Megatron): none, selective (core attention), full (every layer's activations recomputed in backward from its saved input, one layer at a time) or auto (what parallel.plan's actor_train says, else none).")
 
     def __post_init__(self) -> None:
+        _one_of("train", "recompute", self.recompute, ("auto", "none", "selective", "full"))
         _positive("train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         _positive("train", "mini_batches", self.mini_batches)
         _positive("train", "logprob_chunk_tokens", self.logprob_chunk_tokens)

@@ -71,6 +71,7 @@ CONSUMERS: dict[str, str] = {
     "train.max_tokens_per_micro_batch": "realscale.train.engine:EngineConfig.from_config",
     "train.mini_batches": "realscale.trainer:Trainer._next_batch",
     "train.logprob_chunk_tokens": "realscale.train.engine:EngineConfig.from_config",
+    "train.recompute": "realscale.train.engine:resolve_recompute",
     # algo
     "algo.adv_estimator": "realscale.train.actor:group_advantages",
     "algo.group_std_norm": "realscale.train.actor:group_advantages",

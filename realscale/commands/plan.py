@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="H100", help="A100, H800, H100, H200 or one from --gpu-profiles")
     parser.add_argument("--gpu-profiles", default="", help="YAML file adding/overriding GPU profiles")
+    parser.add_argument("--profile", default="",
+                        help="a hardware profile JSON (`realscale profile`, or a calibration): its device and "
+                             "efficiencies replace --gpu and the assumed ones")
     parser.add_argument("--mode", default="auto", choices=("auto", "colocated", "disaggregated"))
     parser.add_argument("--batch", type=int, default=512, help="prompts per RL step")
     parser.add_argument("--n-samples", type=int, default=16, help="answers per prompt")
@@ -62,18 +65,23 @@ def run(args: argparse.Namespace) -> int:
     from realscale.cli import UsageError
     from realscale.parallel.mesh import Cluster, LayoutError
     from realscale.planner.cost import Workload
-    from realscale.planner.hardware import HardwareError, get_gpu, load_profiles
+    from realscale.planner.hardware import Efficiency, HardwareError, get_gpu, load_profile, load_profiles
     from realscale.planner.plan import plan_from_search
     from realscale.planner.choose import choice_summary, choose_mode
     from realscale.planner.search import Problem, default_roles, search
 
     try:
-        profiles = load_profiles(args.gpu_profiles) if args.gpu_profiles else None
-        gpu = get_gpu(args.gpu, profiles)
+        eff = Efficiency()
+        if args.profile:
+            prof = load_profile(args.profile)
+            gpu, eff = prof.gpu, prof.eff
+        else:
+            profiles = load_profiles(args.gpu_profiles) if args.gpu_profiles else None
+            gpu = get_gpu(args.gpu, profiles)
         problem = Problem(_spec(args.model), Cluster(args.nodes, args.gpus_per_node), gpu,
                           Workload(args.batch, args.n_samples, args.prompt_len, args.gen_len, args.mean_gen_len,
                                    max_staleness=args.max_staleness),
-                          default_roles(ref=not args.no_ref, critic=args.critic))
+                          default_roles(ref=not args.no_ref, critic=args.critic), eff=eff)
         why: list[str] = []
         if args.mode == "auto":
             result, why = choose_mode(problem, iters=args.iters, seed=args.seed)

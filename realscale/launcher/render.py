@@ -48,7 +48,8 @@ def problem_for(cfg: Any) -> Any:
     workload = Workload(batch=cfg.rollout.batch_size, n_samples=cfg.rollout.n_samples,
                         prompt_len=cfg.data.max_prompt_tokens, gen_len=cfg.generate.max_new_tokens,
                         train_mb_tokens=cfg.train.max_tokens_per_micro_batch, minibatches=cfg.train.mini_batches,
-                        max_staleness=cfg.rollout.max_staleness)
+                        max_staleness=cfg.rollout.max_staleness, sequence_parallel=cfg.parallel.sequence_parallel,
+                        logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
     return Problem(model_spec_for(cfg), Cluster(cfg.launch.nodes, cfg.launch.gpus_per_node), get_gpu(cfg.launch.gpu),
                    workload, default_roles(ref=cfg.algo.kl_coef > 0, critic=cfg.algo.adv_estimator == "gae"))
 

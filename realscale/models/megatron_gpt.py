@@ -24,8 +24,27 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_kwargs(recompute: str) -> dict[str, Any]:
+    """Megatron's activation-recomputation fields for ``recompute``.
+
+    ``full``: every layer keeps only its input and recomputes its activations in the
+    backward pass, one layer per checkpoint (``uniform`` method, ``recompute_num_layers=1``:
+    the least memory; the planner's memory model, realscale/planner/cost.py, assumes
+    exactly this). ``selective``: only core attention is recomputed. ``none``: nothing."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
+
+
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                       dtype: str = "float32", cpu_init: bool = True) -> Any:
+                       dtype: str = "float32", cpu_init: bool = True, recompute: str = "none") -> Any:
     """megatron ``TransformerConfig`` for this architecture and layout."""
     import torch
     import torch.nn.functional as F
@@ -46,7 +65,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         apply_rope_fusion=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype, bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        use_cpu_initialization=cpu_init, perform_initialization=True,
+        use_cpu_initialization=cpu_init, perform_initialization=True, **recompute_kwargs(recompute),
     )
 
 

@@ -14,8 +14,10 @@ all-reduces per layer. Communication: tp all-reduces (ring, NVLink), pp activati
 (NVLink or IB when stages sit on different nodes), dp gradient reduce-scatter +
 all-gather (IB when the dp group spans nodes). Memory: bf16 weights, fp32 gradients,
 Adam + master weights sharded over dp (Megatron's distributed optimizer), activations
-(about ``34 * hidden`` bytes per token per layer, divided by tp with sequence
-parallelism; activation recompute is chosen when they would not fit), KV cache.
+(:func:`train_activation_bytes`: what the engine keeps with its real settings: sequence
+parallelism as configured, chunked log-probs, Megatron's full recomputation chosen only
+when the activations would not fit otherwise, and then turned on by the engine through the
+plan), KV cache.
 
 How this departs from ReaL's estimator (arXiv 2406.14088, section 4.2): ReaL profiles
 each layer on the target GPUs and interpolates; we have no GPU cluster here, so the same
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from realscale.parallel.mesh import LayoutError, Strategy
 from realscale.parallel.model_spec import ModelSpec
@@ -49,9 +52,13 @@ class Workload:
     train_mb_tokens: int = 32768
     minibatches: int = 4        # PPO optimizer steps per RL step
     max_staleness: int = 4      # eta of the asynchronous mode (0: synchronous)
+    # the training engine's settings the memory model follows (realscale/train/engine.py):
+    sequence_parallel: bool = False  # parallel.sequence_parallel (the recipes leave it off)
+    logprob_chunk_tokens: int = 1024  # train.logprob_chunk_tokens: logits exist one chunk at a time
 
     def __post_init__(self) -> None:
-        for name in ("batch", "n_samples", "prompt_len", "gen_len", "train_mb_tokens", "minibatches"):
+        for name in ("batch", "n_samples", "prompt_len", "gen_len", "train_mb_tokens", "minibatches",
+                     "logprob_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"workload: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0 or self.mean_gen_len < 0 or self.mean_gen_len > self.gen_len:
@@ -78,6 +85,7 @@ class RoleCost:
     mem_gb: float
     state_gb: float = 0.0   # optimizer/grad state that must be offloaded when others use the GPUs
     note: str = ""
+    recompute: str = "none"  # train roles: the engine's train.recompute this memory assumes
 
 
 def _matmul_params(spec: ModelSpec) -> float:
@@ -114,6 +122,8 @@ def _spans_nodes(strategy: Strategy, axis_stride: int, axis_size: int, gpus_per_
 
 def _check_role(spec: ModelSpec, s: Strategy, gpu: GPU, gpus_per_node: int) -> None:
     spec.check_strategy(s)
+    if spec.n_layers % s.pp:  # the engine's transformer_config refuses uneven stages
+        raise LayoutError(f"pp={s.pp} does not divide the model's {spec.n_layers} layers (Megatron stages are equal)")
     if s.tp > gpus_per_node:
         raise LayoutError(f"tp={s.tp} exceeds the {gpus_per_node} GPUs of a node")
 
@@ -124,10 +134,11 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     _check_role(spec, s, gpu, gpus_per_node)
     seq = w.prompt_len + w.mean_gen
     tokens_replica = w.train_tokens / s.dp
-    m = max(1, math.ceil(tokens_replica / (w.train_mb_tokens * w.minibatches)))  # micro-batches per minibatch
+    m = train_micro_batches(spec, s, w)
     flops = 4.0 * fwd_flops_per_token(spec, seq) * w.train_tokens  # 1 prox fwd + fwd + 2x bwd
     compute = flops / (s.world * gpu.peak_tflops * 1e12 * eff.mfu_train) * (1 + eff.tp_overhead * (s.tp - 1))
     compute *= 1 + (s.pp - 1) / m
+    compute += eff.train_step_overhead_s * w.minibatches
     layers_stage = math.ceil(spec.n_layers / s.pp)
     act_bytes = tokens_replica * spec.hidden * spec.itemsize
     tp_comm = 6 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
@@ -136,21 +147,61 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     stage_params = spec.n_params / s.pp / s.tp
     dp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp, s.dp, gpus_per_node) else gpu.nvlink_gbps
     dp_comm = w.minibatches * _ring(stage_params * 4, s.dp, dp_bw, eff)
-    # Memory: bf16 weights + fp32 grads + (fp32 master + Adam m, v) / dp.
-    state = stage_params * (2 + 4 + 12 / s.dp)
-    mb_in_flight = min(s.pp, m)
-    acts = 34 * spec.hidden * w.train_mb_tokens * layers_stage * mb_in_flight / s.tp
-    logits = 4.0 * w.train_mb_tokens * spec.vocab / s.tp
     usable = gpu.hbm_gb * GB * HBM_RESERVE
-    note = ""
-    if state + acts + logits > usable:
-        acts = 2 * spec.hidden * w.train_mb_tokens * layers_stage * mb_in_flight / s.tp * spec.itemsize
+    recompute = "none"
+    mem = train_memory_bytes(spec, s, w, "none")
+    if mem > usable:
+        recompute = "full"
+        mem = train_memory_bytes(spec, s, w, "full")
         compute *= eff.recompute_cost
-        note = "recompute"
-    mem = state + acts + logits
     if mem > usable:
         return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
-    return RoleCost(compute + tp_comm + pp_comm + dp_comm, mem / GB, (stage_params * (4 + 12 / s.dp)) / GB, note)
+    return RoleCost(compute + tp_comm + pp_comm + dp_comm, mem / GB, (stage_params * (4 + 12 / s.dp)) / GB,
+                    "recompute" if recompute == "full" else "", recompute)
+
+
+def train_micro_batches(spec: ModelSpec, s: Strategy, w: Workload) -> int:
+    """Micro-batches per mini-batch on one data-parallel replica."""
+    return max(1, math.ceil(w.train_tokens / s.dp / (w.train_mb_tokens * w.minibatches)))
+
+
+def train_memory_bytes(spec: ModelSpec, s: Strategy, w: Workload, recompute: str) -> float:
+    """Peak memory of a training GPU: bf16 weights + fp32 gradients (Megatron's
+    ``grad_reduce_in_fp32``) + fp32 master weights and Adam moments sharded over dp (the
+    distributed optimizer) + :func:`train_activation_bytes`."""
+    stage_params = spec.n_params / s.pp / s.tp
+    state = stage_params * (2 + 4 + 12 / s.dp)
+    return state + train_activation_bytes(spec, s, w, train_micro_batches(spec, s, w), recompute)
+
+
+def layer_activation_bytes(spec: ModelSpec, tokens: float, tp: int, sequence_parallel: bool) -> float:
+    """Activations one transformer layer keeps for its backward pass, bf16, flash attention
+    (no s x s scores): Korthikanti et al. 2022 (arXiv 2205.05198), table 2, without the
+    attention-score term: ``tokens * h * (10 + 24 / tp)`` bytes with tensor parallelism
+    alone, ``tokens * h * 34 / tp`` with sequence parallelism."""
+    per_token = 34.0 / tp if sequence_parallel else 10.0 + 24.0 / tp
+    return tokens * spec.hidden * per_token
+
+
+def train_activation_bytes(spec: ModelSpec, s: Strategy, w: Workload, micro_batches: int, recompute: str) -> float:
+    """Peak activation + logits memory of a training rank as the engine runs it
+    (realscale/train/engine.py, realscale/models/megatron_gpt.py): 1F1B keeps up to ``pp``
+    micro-batches in flight on the first stage; ``recompute="full"`` (Megatron ``full``,
+    ``uniform``, one layer per checkpoint) keeps each layer's bf16 input and rebuilds one
+    layer's activations at a time; ``none`` and ``selective`` (core attention only, which
+    flash attention does not store anyway) keep every layer's. Log-probs are computed in
+    chunks of ``logprob_chunk_tokens``: fp32 logits of one chunk, and their gradient."""
+    layers_stage = math.ceil(spec.n_layers / s.pp)
+    in_flight = min(s.pp, micro_batches)
+    tokens = w.train_mb_tokens
+    one_layer = layer_activation_bytes(spec, tokens, s.tp, w.sequence_parallel)
+    if recompute == "full":
+        saved = tokens * spec.hidden * spec.itemsize / (s.tp if w.sequence_parallel else 1)
+        acts = saved * layers_stage * in_flight + one_layer
+    else:
+        acts = one_layer * layers_stage * in_flight
+    logits = 2 * 4.0 * min(tokens, w.logprob_chunk_tokens) * spec.vocab / s.tp
+    return acts + logits
 
 
 def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,
@@ -178,14 +229,35 @@ def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
 
 def decode_step_seconds(spec: ModelSpec, tp: int, batch: float, ctx: float, gpu: GPU, eff: Efficiency) -> float:
     """One decode step of ``batch`` sequences with mean context ``ctx`` on a tp group."""
-    read = spec.n_params * spec.itemsize / tp + batch * ctx * kv_bytes_per_token(spec, tp)
-    t_mem = read / (gpu.hbm_tbps * 1e12 * eff.hbm_decode)
-    t_flops = batch * fwd_flops_per_token(spec, ctx) / tp / (gpu.peak_tflops * 1e12 * eff.mfu_decode)
-    t_comm = 0.0
-    if tp > 1:
-        t_comm = 2 * spec.n_layers * (eff.collective_latency_s
-                                      + _ring(batch * spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff))
-    return max(t_mem, t_flops) + t_comm + eff.decode_step_overhead_s
+    return decode_step_fn(spec, tp, gpu, eff)(batch, ctx)
+
+
+def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Callable[[float, float], float]:
+    """:func:`decode_step_seconds` as a function of (batch, mean context) with everything
+    else folded into constants (the simulator calls it once per batch change).
+
+    The step is the slower of reading the weights and the batch's KV cache from HBM and
+    the batch's matmul + attention FLOPs, plus two all-reduces per layer under tp, a fixed
+    per-step overhead, a per-request one and one per request and context token (0 on GPUs;
+    on a CPU, attention's cache gather, mask and softmax add to the matmuls rather than
+    overlapping them)."""
+    w_bytes = spec.n_params * spec.itemsize / tp
+    kv_tok = kv_bytes_per_token(spec, tp)
+    hbm = gpu.hbm_tbps * 1e12 * eff.hbm_decode
+    flops_rate = tp * gpu.peak_tflops * 1e12 * eff.mfu_decode
+    f_params, f_ctx = 2.0 * _matmul_params(spec), 2.0 * spec.n_layers * _q_dim(spec)
+    comm_fixed = 2 * spec.n_layers * eff.collective_latency_s if tp > 1 else 0.0
+    comm_per_seq = 2 * spec.n_layers * _ring(spec.hidden * spec.itemsize, tp, gpu.nvlink_gbps, eff) if tp > 1 else 0.0
+    fixed = comm_fixed + eff.decode_step_overhead_s
+    per_seq = comm_per_seq + eff.decode_seq_overhead_s
+    per_ctx = eff.decode_ctx_overhead_s
+
+    def step(batch: float, ctx: float) -> float:
+        t_mem = (w_bytes + batch * ctx * kv_tok) / hbm
+        t_flops = batch * (f_params + f_ctx * ctx) / flops_rate
+        return (t_mem if t_mem > t_flops else t_flops) + fixed + batch * (per_seq + ctx * per_ctx)
+
+    return step
 
 
 def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,

@@ -8,7 +8,7 @@ The YAML is what ``realscale plan --out`` writes and what a train recipe names i
     cluster: {nodes: 16, gpus_per_node: 8, gpu: H100}
     roles:
       actor_gen:   {mesh: "0:512", strategy: d64t8p1}
-      actor_train: {mesh: "512:1024", strategy: d16t4p8}
+      actor_train: {mesh: "512:1024", strategy: d16t4p8, recompute: full}
     estimate: {step_seconds: 123.4, tokens_per_second: 1.2e5}
 """
 
@@ -26,6 +26,7 @@ class Placement:
     strategy: Strategy
     seconds: float = math.nan
     mem_gb: float = math.nan
+    recompute: str = "none"  # train roles: the activation recomputation the memory estimate assumes
 
     def __post_init__(self) -> None:
         if self.mesh.size != self.strategy.world:
@@ -63,6 +64,8 @@ class Plan:
             if not math.isnan(pl.seconds):
                 entry["seconds"] = round(pl.seconds, 3)
                 entry["mem_gb"] = round(pl.mem_gb, 2)
+            if pl.recompute != "none":
+                entry["recompute"] = pl.recompute  # the engine turns it on (train.recompute=auto)
             out["roles"][name] = entry
         if not math.isnan(self.step_seconds):
             out["estimate"] = {"step_seconds": round(self.step_seconds, 3),
@@ -84,7 +87,8 @@ class Plan:
                 raise LayoutError(f"{origin}: role {name!r} needs 'mesh' (\"start:end\") and 'strategy' (e.g. d4t2p1)")
             roles[str(name)] = Placement(_parse_mesh(str(entry["mesh"]), f"{origin}: role {name}"),
                                          Strategy.parse(str(entry["strategy"])),
-                                         float(entry.get("seconds", math.nan)), float(entry.get("mem_gb", math.nan)))
+                                         float(entry.get("seconds", math.nan)), float(entry.get("mem_gb", math.nan)),
+                                         _recompute(entry.get("recompute", "none"), f"{origin}: role {name}"))
         cluster, gpu = None, ""
         if "cluster" in data:
             c = data["cluster"]
@@ -123,6 +127,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def _recompute(value: object, where: str) -> str:
+    if value not in ("none", "selective", "full"):
+        raise LayoutError(f"{where}: recompute {value!r} is not one of none, selective, full")
+    return str(value)
+
+
 def _parse_mesh(text: str, where: str) -> Mesh:
     try:
         a, b = (int(x) for x in text.split(":"))
@@ -138,7 +148,9 @@ def plan_from_search(result, problem) -> Plan:  # noqa: ANN001 - SearchResult, P
     roles = {}
     for r, role in enumerate(problem.roles):
         o, c = inst.opts[r], result.choice[r]
-        roles[role.name] = Placement(o.mesh(c), o.strategy(c), float(o.seconds[c]), float(o.mem_gb[c]))
+        full = o.recompute is not None and bool(o.recompute[c])
+        roles[role.name] = Placement(o.mesh(c), o.strategy(c), float(o.seconds[c]), float(o.mem_gb[c]),
+                                     "full" if full else "none")
     tps = problem.workload.train_tokens / result.step_seconds
     return Plan(roles, result.mode, problem.cluster, problem.gpu.name, result.step_seconds, tps,
                 {"search": result.method, "search_seconds": round(result.search_seconds, 2)})

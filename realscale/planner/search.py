@@ -108,6 +108,7 @@ class Options:
     tp: np.ndarray
     pp: np.ndarray
     refused: dict[str, str] = field(default_factory=dict)  # strategy -> why
+    recompute: np.ndarray | None = None  # train roles: 1 where the option needs full recomputation
 
     def __len__(self) -> int:
         return len(self.lo)
@@ -146,7 +147,8 @@ def role_options(p: Problem, role: Role, mode: str, meshes: list[Mesh] | None = 
     by_size: dict[int, list[int]] = {}
     for m in meshes if meshes is not None else p.cluster.meshes():
         by_size.setdefault(m.size, []).append(m.start)
-    cols: dict[str, list] = {k: [] for k in ("lo", "hi", "seconds", "mem_gb", "state_gb", "dp", "tp", "pp")}
+    cols: dict[str, list] = {k: [] for k in ("lo", "hi", "seconds", "mem_gb", "state_gb", "dp", "tp", "pp",
+                                             "recompute")}
     refused: dict[str, str] = {}
     for size, starts in sorted(by_size.items()):
         st = np.asarray(starts, np.int64)
@@ -163,7 +165,7 @@ def role_options(p: Problem, role: Role, mode: str, meshes: list[Mesh] | None = 
             cols["lo"].append(st)
             cols["hi"].append(st + size)
             for k, v in (("seconds", rc.seconds), ("mem_gb", rc.mem_gb), ("state_gb", rc.state_gb),
-                         ("dp", s.dp), ("tp", s.tp), ("pp", s.pp)):
+                         ("dp", s.dp), ("tp", s.tp), ("pp", s.pp), ("recompute", int(rc.recompute == "full"))):
                 cols[k].append(np.full(n, v, np.float64 if k in ("seconds", "mem_gb", "state_gb") else np.int64))
     if not cols["lo"]:
         why = "; ".join(f"{k}: {v}" for k, v in list(refused.items())[:4])

@@ -77,6 +77,7 @@ class EngineConfig:
     total_steps: int = 1000
     distributed_optimizer: bool = True
     use_te: bool | None = None
+    recompute: str = "none"  # none | selective | full (realscale.models.megatron_gpt.recompute_kwargs)
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
@@ -89,7 +90,20 @@ class EngineConfig:
                    adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
                    warmup_steps=o.warmup_steps, schedule=o.schedule,
                    total_steps=max(1, cfg.run.total_steps * cfg.train.mini_batches),
-                   distributed_optimizer=o.distributed_optimizer)
+                   distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg))
+
+
+def resolve_recompute(cfg: Any) -> str:
+    """``train.recompute``, with ``auto`` resolved: the recomputation ``parallel.plan``'s
+    actor_train role was planned with (its memory holds only with it), else none."""
+    if cfg.train.recompute != "auto":
+        return cfg.train.recompute
+    if not cfg.parallel.plan:
+        return "none"
+    from realscale.planner.apply import load_plan
+
+    train = load_plan(cfg).roles.get("actor_train")
+    return train.recompute if train is not None else "none"
 
 
 def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
@@ -119,7 +133,7 @@ class MegatronEngine:
             self.hf_config = json.load(fh)
         self.use_te = te_available() if ec.use_te is None else ec.use_te
         config = transformer_config(self.arch, tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel,
-                                    dtype=ec.dtype)
+                                    dtype=ec.dtype, recompute=ec.recompute)
         config.variable_seq_lengths = ec.pp > 1  # packed micro-batches differ in length
         self.config = config
         model = build_gpt(self.arch, config, pre_process=self.ranks.is_first_stage,

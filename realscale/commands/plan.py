@@ -48,8 +48,13 @@ def _spec(model: str):
     path = model
     if model.endswith((".yaml", ".yml")) and os.path.isfile(model):
         from realscale.config import load_config
+        from realscale.planner.validate import policy_spec
 
-        path = load_config(model).model.path
+        cfg = load_config(model)
+        spec = policy_spec(cfg)  # also a recipe's warm start (model.path: sft) before it exists
+        if spec is not None:
+            return spec
+        path = cfg.model.path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:

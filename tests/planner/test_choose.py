@@ -60,3 +60,12 @@ def test_realscale_plan_mode_auto_prints_the_reason_and_records_it(tmp_path: Pat
     plan = yaml.safe_load(out.read_text())
     assert plan["mode"] == "colocated"
     assert plan["estimate"]["mode_choice"].startswith("colocated-synchronous, predicted")
+
+
+def test_plan_takes_a_recipe_whose_model_is_its_warm_start() -> None:
+    """`realscale plan --model configs/long_tail_cpu.yaml`: the warm start's size (model.path: sft)."""
+    from realscale.commands.plan import _spec
+
+    root = Path(__file__).resolve().parents[2]
+    spec = _spec(str(root / "configs" / "long_tail_cpu.yaml"))
+    assert spec.hidden == 128 and spec.n_layers == 4  # the sft section's fresh tiny Qwen2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]  # two realscale train runs
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(1200)]  # two realscale train runs
 
 ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "run.total_steps=5", "run.checkpoint_every=1",
         "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1", "generate.max_new_tokens=4",

@@ -16,7 +16,7 @@ import pytest
 
 from test_train_resume import ARGS
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]  # a realscale train run
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(900)]  # a realscale train run
 
 
 def _servers_of(pid: int) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # a whole run: ~2-4 min
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(900)]  # a whole run: ~2-4 min
 
 ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "run.total_steps=4", "run.checkpoint_every=1",
         "run.keep_checkpoints=2", "run.pin_checkpoints=[1]", "generate.weight_update=disk", "generate.num_servers=2",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("slurm"), pytest.mark.timeout(900)]  # sbatch jobs
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.usefixtures("slurm"), pytest.mark.timeout(900)]  # sbatch jobs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "launch/slurm/ppo_tiny.sh"

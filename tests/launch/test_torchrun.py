@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 

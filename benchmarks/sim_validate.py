@@ -32,33 +32,89 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 
+def _autogroup() -> str:
+    """The scheduler group this session's processes share (Linux autogroup): ``nice``
+    orders threads only inside it; other sessions' jobs get their share regardless."""
+    try:
+        with open("/proc/self/autogroup", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "none"
+
+
+def _train_windows(records: list[dict]) -> list[tuple[float, float]]:
+    """Wall-clock window of each step's update (steps after the first), from its metrics:
+    a record is logged right after its step ends (``time``), and the step was wait, then
+    update, then publish."""
+    out = []
+    for r in records[1:]:
+        start = r["time"] - r["perf/step_s"] + r["perf/wait_rollout_s"]
+        out.append((start, start + r["perf/train_s"]))
+    return out
+
+
+def cpu_breakdown(samples: list[dict], records: list[dict]) -> dict:
+    """Where the cores went during the trainer's updates and over the RL steps after step 1
+    (``_cpu_monitor``), with the trainer's own figures (``perf/train_cpu_s``, ``perf/train_runq_s``)."""
+    from _cpu_monitor import during
+
+    later = records[1:]
+    rl = [(later[0]["time"] - later[0]["perf/step_s"], later[-1]["time"])]
+    out = {"updates": during(samples, _train_windows(records)), "rl_after_step1": during(samples, rl)}
+    if all("perf/train_cpu_s" in r for r in later):
+        out["trainer_self"] = {k: float(sum(r.get(f"perf/train_{k}", 0.0) for r in later)) / len(later)
+                               for k in ("cpu_s", "runq_s")}
+        out["trainer_self"]["wall_s"] = float(sum(r["perf/train_s"] for r in later)) / len(later)
+    return out
+
+
 def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
-    """One `realscale train` run of the recipe in a fresh directory, summarised."""
-    from bench_async import _realscale, summarize_run
+    """One `realscale train` run of the recipe in a fresh directory, summarised, with where
+    the cores went (the roles' CPU and run-queue wait, sampled)."""
+    import subprocess
+
+    from _cpu_monitor import CpuMonitor
+    from bench_async import summarize_run
 
     from realscale.config import load_config
+    from realscale.metrics import read_metrics
 
     work = tempfile.mkdtemp(prefix="sim-default-")
     try:
         args = [recipe, f"run.output_dir={work}", "run.name=default", *overrides]
         load = [round(x, 2) for x in os.getloadavg()]
-        t = _realscale(["train", *args], os.path.join(work, "train.log"))
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        t0 = time.perf_counter()
+        with open(os.path.join(work, "train.log"), "w", encoding="utf-8") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "realscale", "train", *args], cwd=REPO, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            monitor = CpuMonitor(proc.pid).start()
+            code = proc.wait()
+            monitor.stop()
+        t = time.perf_counter() - t0
+        if code != 0:
+            with open(os.path.join(work, "train.log"), encoding="utf-8", errors="replace") as fh:
+                raise SystemExit(f"sim_validate: `realscale train` failed (exit {code}):\n{fh.read()[-3000:]}")
         cfg = load_config(recipe, overrides)
-        summary = summarize_run(os.path.join(work, "default"), cfg.run.total_steps)
+        run_dir = os.path.join(work, "default")
+        summary = summarize_run(run_dir, cfg.run.total_steps)
         summary["steps"] = cfg.run.total_steps
+        records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "perf/step_s" in r]
         nice = os.nice(0)
         cmd = ("nice -n {} ".format(nice) if nice else "") + "python benchmarks/sim_validate.py --measure-default"
-        import subprocess
-
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         result = {"benchmark": "default_recipe_run", "command": cmd, "code": head.stdout.strip() or "unknown",
                   "recipe": recipe, "overrides": overrides, "summary": summary, "command_seconds": t,
-                  "machine": {"cpus": os.cpu_count(), "niceness": nice,
+                  "cpu": cpu_breakdown(monitor.samples, records),
+                  "per_step": [{k: r[k] for k in r if k.startswith("perf/") and not k.startswith("perf/batch")}
+                               for r in records],
+                  "machine": {"cpus": os.cpu_count(), "niceness": nice, "autogroup": _autogroup(),
                               "load_avg_1_5_15": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}},
                   "date": time.strftime("%Y-%m-%d %H:%M")}
         with open(out, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
         print(f"wrote {out}: mean step {(summary['rl_seconds'] - summary['step1_seconds']) / (summary['steps'] - 1):.2f} s")
+        print(json.dumps(result["cpu"], indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,0 +1,153 @@
+"""Where a CPU run's cores go: CPU seconds and run-queue wait of each role of a run, sampled.
+
+A local run (``realscale train``) is a tree of processes: the launcher, the generation
+server(s) (``realscale serve``), the trainer rank(s) (spawned), and under trainer rank 0
+the rollout process (controller, workflow) with its reward workers. :class:`CpuMonitor`
+samples, every ``interval`` seconds, each process's CPU time (user + system) and the time
+its threads waited on a run queue (``/proc/PID/task/*/schedstat``: runnable, no core free),
+summed per role, and the machine's busy CPU seconds (``/proc/stat``), so that what other
+jobs on the machine took is the difference. :func:`during` sums them over given wall-clock
+windows (the trainer's updates, say), pro-rating the samples that straddle a window edge.
+
+Linux only (``/proc``); a process that exits between two samples loses its last
+interval's CPU (the run's processes live as long as the run).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+ROLES = ("launcher", "server", "trainer", "rollout", "other")
+
+
+def _proc_cpu(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds, run-queue seconds) of one process: its threads' schedstat sums."""
+    run = wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
+                a, b, _ = fh.read().split()
+            run, wait = run + int(a), wait + int(b)
+        except (OSError, ValueError):
+            continue
+    return run / 1e9, wait / 1e9
+
+
+def _machine_busy() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat: all but idle, iowait)."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def classify(root: int) -> dict[int, str]:
+    """Role of every process under ``root`` (the ``realscale train`` process)."""
+    kids, roles = _children(), {root: "launcher"}
+
+    def walk(pid: int, role: str) -> None:
+        roles[pid] = role
+        for c in kids.get(pid, []):
+            walk(c, "rollout" if role in ("trainer", "rollout") else role)
+
+    for c in kids.get(root, []):
+        cmd = _cmdline(c)
+        if " serve" in cmd:
+            walk(c, "server")
+        elif "resource_tracker" in cmd:
+            walk(c, "other")
+        elif "spawn_main" in cmd or "multiprocessing" in cmd:
+            walk(c, "trainer")
+        else:
+            walk(c, "other")
+    return roles
+
+
+class CpuMonitor:
+    """Samples the roles of the process tree under ``root`` on a thread until :meth:`stop`."""
+
+    def __init__(self, root: int, interval: float = 0.5) -> None:
+        self.root, self.interval = root, interval
+        self.samples: list[dict[str, Any]] = []  # {"t", "machine", "roles": {role: [cpu, runq]}}
+        self._last: dict[int, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-monitor", daemon=True)
+
+    def start(self) -> "CpuMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def _sample(self) -> None:
+        roles = {r: [0.0, 0.0] for r in ROLES}
+        seen: dict[int, tuple[float, float]] = {}
+        for pid, role in classify(self.root).items():
+            now = _proc_cpu(pid)
+            if now is None:
+                continue
+            seen[pid] = now
+            before = self._last.get(pid, (0.0, 0.0) if self.samples else now)
+            roles[role][0] += now[0] - before[0]
+            roles[role][1] += now[1] - before[1]
+        self._last = seen
+        self.samples.append({"t": time.time(), "machine": _machine_busy(), "roles": roles})
+
+
+def during(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """CPU and run-queue seconds per role, and the machine's busy seconds, inside
+    ``windows`` (wall-clock ``time.time()`` pairs); a sample's interval is pro-rated."""
+    out = {r: [0.0, 0.0] for r in ROLES}
+    machine = wall = 0.0
+    for a, b in windows:
+        wall += b - a
+    for prev, cur in zip(samples, samples[1:]):
+        t0, t1 = prev["t"], cur["t"]
+        if t1 <= t0:
+            continue
+        overlap = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in windows)
+        if overlap <= 0:
+            continue
+        f = overlap / (t1 - t0)
+        machine += f * (cur["machine"] - prev["machine"])
+        for r in ROLES:
+            out[r][0] += f * cur["roles"][r][0]
+            out[r][1] += f * cur["roles"][r][1]
+    ours = sum(v[0] for v in out.values())
+    return {"wall_s": wall, "cpu_s": {r: v[0] for r, v in out.items()}, "runq_s": {r: v[1] for r, v in out.items()},
+            "machine_busy_s": machine, "other_jobs_cpu_s": max(0.0, machine - ours)}

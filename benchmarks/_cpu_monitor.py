@@ -23,9 +23,10 @@ from typing import Any
 ROLES = ("launcher", "server", "trainer", "rollout", "other")
 
 
-def _proc_cpu(pid: int) -> tuple[float, float] | None:
-    """(CPU seconds, run-queue seconds) of one process: its threads' schedstat sums."""
-    run = wait = 0
+def _threads(pid: int) -> dict[str, tuple[float, float]] | None:
+    """(CPU seconds, run-queue seconds) of one process's threads, summed by thread name
+    (``comm``: ``python`` for Python's own threads, ``gloo_tcp_loop``, ...)."""
+    out: dict[str, tuple[float, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -34,10 +35,21 @@ def _proc_cpu(pid: int) -> tuple[float, float] | None:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
                 a, b, _ = fh.read().split()
-            run, wait = run + int(a), wait + int(b)
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8", errors="replace") as fh:
+                name = fh.read().strip()
         except (OSError, ValueError):
             continue
-    return run / 1e9, wait / 1e9
+        run, wait = out.get(name, (0.0, 0.0))
+        out[name] = (run + int(a) / 1e9, wait + int(b) / 1e9)
+    return out
+
+
+def _proc_cpu(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds, run-queue seconds) of one process: its threads' schedstat sums."""
+    t = _threads(pid)
+    if t is None:
+        return None
+    return sum(v[0] for v in t.values()), sum(v[1] for v in t.values())
 
 
 def _machine_busy() -> float:
@@ -116,23 +128,30 @@ class CpuMonitor:
 
     def _sample(self) -> None:
         roles = {r: [0.0, 0.0] for r in ROLES}
-        seen: dict[int, tuple[float, float]] = {}
+        threads: dict[str, list[float]] = {}  # "role/thread name" -> [cpu, runq]
+        seen: dict[tuple[int, str], tuple[float, float]] = {}
         for pid, role in classify(self.root).items():
-            now = _proc_cpu(pid)
+            now = _threads(pid)
             if now is None:
                 continue
-            seen[pid] = now
-            before = self._last.get(pid, (0.0, 0.0) if self.samples else now)
-            roles[role][0] += now[0] - before[0]
-            roles[role][1] += now[1] - before[1]
+            for name, v in now.items():
+                seen[(pid, name)] = v
+                before = self._last.get((pid, name), (0.0, 0.0) if self.samples else v)
+                d = (v[0] - before[0], v[1] - before[1])
+                roles[role][0] += d[0]
+                roles[role][1] += d[1]
+                acc = threads.setdefault(f"{role}/{name}", [0.0, 0.0])
+                acc[0] += d[0]
+                acc[1] += d[1]
         self._last = seen
-        self.samples.append({"t": time.time(), "machine": _machine_busy(), "roles": roles})
+        self.samples.append({"t": time.time(), "machine": _machine_busy(), "roles": roles, "threads": threads})
 
 
 def during(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, Any]:
     """CPU and run-queue seconds per role, and the machine's busy seconds, inside
     ``windows`` (wall-clock ``time.time()`` pairs); a sample's interval is pro-rated."""
     out = {r: [0.0, 0.0] for r in ROLES}
+    threads: dict[str, list[float]] = {}
     machine = wall = 0.0
     for a, b in windows:
         wall += b - a
@@ -148,6 +167,11 @@ def during(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) ->
         for r in ROLES:
             out[r][0] += f * cur["roles"][r][0]
             out[r][1] += f * cur["roles"][r][1]
+        for name, v in cur.get("threads", {}).items():
+            acc = threads.setdefault(name, [0.0, 0.0])
+            acc[0] += f * v[0]
+            acc[1] += f * v[1]
     ours = sum(v[0] for v in out.values())
     return {"wall_s": wall, "cpu_s": {r: v[0] for r, v in out.items()}, "runq_s": {r: v[1] for r, v in out.items()},
+            "threads_cpu_runq_s": {k: [round(v[0], 3), round(v[1], 3)] for k, v in sorted(threads.items())},
             "machine_busy_s": machine, "other_jobs_cpu_s": max(0.0, machine - ours)}

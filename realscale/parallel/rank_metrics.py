@@ -16,8 +16,8 @@ collective); :func:`step_figures` turns them into the step's metrics:
 - ``perf/compute_s_rank0`` / ``perf/compute_s_max_other``: forward/backward compute seconds
   of rank 0 and of the slowest other rank (rank 0 also hosts the rollout side);
 - ``perf/train_cpu_s`` / ``perf/train_runq_s`` (driver rank, :class:`CpuClock`): CPU seconds its
-  process spent in the update and seconds its threads sat runnable on a run queue waiting
-  for a core (Linux; absent elsewhere). Wall time minus these two is time blocked (I/O,
+  process spent in the update and seconds the thread running the update sat runnable on a
+  run queue waiting for a core (Linux; absent elsewhere). Wall time minus these two is time blocked (I/O,
   locks, collectives). On a CPU host the run queue says whether the update was starved by
   the generation server, the rollout process or another job;
 - ``perf/batch_bytes`` (sum over ranks of the tensor bytes received),
@@ -27,7 +27,7 @@ collective); :func:`step_figures` turns them into the step's metrics:
 
 from __future__ import annotations
 
-import os
+import threading
 import time
 from typing import Any
 
@@ -54,24 +54,20 @@ all their configs)."""
 
 
 def _runq_seconds() -> float | None:
-    """Seconds this process's live threads have waited on a run queue (runnable, no core):
-    field 2 of ``/proc/self/task/*/schedstat`` (Linux); None where there is none."""
-    total = 0
+    """Seconds the calling thread has waited on a run queue (runnable, no core free):
+    field 2 of ``/proc/self/task/TID/schedstat`` (Linux); None where there is none. The
+    calling thread only: with one torch thread it runs every op of the update, while the
+    process's other threads (gloo's loops, the server-control loop) mostly sleep."""
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
         return None
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as fh:
-                total += int(fh.read().split()[1])
-        except (OSError, IndexError, ValueError):  # a thread that just exited
-            continue
-    return total / 1e9
 
 
 class CpuClock:
-    """This process's CPU seconds and run-queue waiting seconds between two calls."""
+    """This process's CPU seconds and the calling thread's run-queue waiting seconds
+    between two calls."""
 
     def __init__(self) -> None:
         self._cpu, self._runq = time.process_time(), _runq_seconds()

@@ -29,8 +29,8 @@ def test_cpu_seconds_count_work_not_sleep() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="run-queue wait is read from /proc (Linux)")
 def test_runq_seconds_are_reported_and_never_negative() -> None:
-    """With threads of this process spinning (they compete for the cores): the figure
-    exists and is a non-negative duration, at most the wall time times the threads."""
+    """With threads of this process spinning beside the calling one (they compete for the
+    cores): the figure exists and is a non-negative duration, at most the wall time."""
     clock = CpuClock()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=_spin, args=(0.1,)) for _ in range(2)]
@@ -41,4 +41,4 @@ def test_runq_seconds_are_reported_and_never_negative() -> None:
         t.join()
     out = clock.seconds()
     wall = time.perf_counter() - t0
-    assert "runq_s" in out and 0.0 <= out["runq_s"] <= 3 * wall
+    assert "runq_s" in out and 0.0 <= out["runq_s"] <= wall

@@ -68,16 +68,61 @@ def cpu_breakdown(samples: list[dict], records: list[dict]) -> dict:
     return out
 
 
+def _step_records(path: str) -> list[dict]:
+    """Each step's own record, as logged when the step ended (``read_metrics`` merges the
+    final evaluation's record into the last step's, ``time`` included)."""
+    out: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rec = json.loads(line)
+                if "perf/step_s" in rec:
+                    out.setdefault(int(rec["step"]), rec)
+    return [out[k] for k in sorted(out)]
+
+
+def record_run(run_dir: str, recipe: str, overrides: list[str], samples: list[dict] | None, **provenance: object) -> dict:
+    """The measured-run record the validation reads: bench_async's summary of ``run_dir``,
+    every step's perf/* figures, and (with monitor ``samples``) where the cores went."""
+    from bench_async import summarize_run
+
+    from realscale.config import load_config
+
+    cfg = load_config(recipe, overrides)
+    summary = summarize_run(run_dir, cfg.run.total_steps)
+    summary["steps"] = cfg.run.total_steps
+    records = _step_records(os.path.join(run_dir, "metrics.jsonl"))
+    out = {"benchmark": "default_recipe_run", **provenance, "recipe": recipe, "overrides": overrides,
+           "summary": summary,
+           "per_step": [{k: r[k] for k in r if k.startswith("perf/") and not k.startswith("perf/batch")}
+                        for r in records]}
+    if samples:
+        out["cpu"] = cpu_breakdown(samples, records)
+    return out
+
+
+def _write(result: dict, out: str) -> None:
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    s = result["summary"]
+    print(f"wrote {out}: mean step {(s['rl_seconds'] - s['step1_seconds']) / (s['steps'] - 1):.2f} s")
+    if "cpu" in result:
+        print(json.dumps(result["cpu"], indent=1))
+
+
+def _git_head() -> str:
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return head.stdout.strip() or "unknown"
+
+
 def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
     """One `realscale train` run of the recipe in a fresh directory, summarised, with where
     the cores went (the roles' CPU and run-queue wait, sampled)."""
     import subprocess
 
     from _cpu_monitor import CpuMonitor
-    from bench_async import summarize_run
-
-    from realscale.config import load_config
-    from realscale.metrics import read_metrics
 
     work = tempfile.mkdtemp(prefix="sim-default-")
     try:
@@ -95,33 +140,38 @@ def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
         if code != 0:
             with open(os.path.join(work, "train.log"), encoding="utf-8", errors="replace") as fh:
                 raise SystemExit(f"sim_validate: `realscale train` failed (exit {code}):\n{fh.read()[-3000:]}")
-        cfg = load_config(recipe, overrides)
-        run_dir = os.path.join(work, "default")
-        summary = summarize_run(run_dir, cfg.run.total_steps)
-        summary["steps"] = cfg.run.total_steps
-        records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "perf/step_s" in r]
         nice = os.nice(0)
         cmd = ("nice -n {} ".format(nice) if nice else "") + "python benchmarks/sim_validate.py --measure-default"
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        result = {"benchmark": "default_recipe_run", "command": cmd, "code": head.stdout.strip() or "unknown",
-                  "recipe": recipe, "overrides": overrides, "summary": summary, "command_seconds": t,
-                  "cpu": cpu_breakdown(monitor.samples, records),
-                  "per_step": [{k: r[k] for k in r if k.startswith("perf/") and not k.startswith("perf/batch")}
-                               for r in records],
-                  "machine": {"cpus": os.cpu_count(), "niceness": nice, "autogroup": _autogroup(),
-                              "load_avg_1_5_15": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}},
-                  "date": time.strftime("%Y-%m-%d %H:%M")}
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {out}: mean step {(summary['rl_seconds'] - summary['step1_seconds']) / (summary['steps'] - 1):.2f} s")
-        print(json.dumps(result["cpu"], indent=1))
+        result = record_run(os.path.join(work, "default"), recipe, overrides, monitor.samples, command=cmd,
+                            code=_git_head(), command_seconds=t,
+                            machine={"cpus": os.cpu_count(), "niceness": nice, "autogroup": _autogroup(),
+                                     "load_avg_1_5_15": {"start": load, "end": [round(x, 2) for x in os.getloadavg()]}},
+                            date=time.strftime("%Y-%m-%d %H:%M"))
+        _write(result, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def from_run(run_dir: str, recipe: str, out: str, overrides: list[str], samples: str | None, command: str,
+             note: str) -> None:
+    """Record a default-recipe run made by someone else's command (a quiet-machine run),
+    with ``samples`` from ``benchmarks/_cpu_monitor.py`` watching it if there are any."""
+    data = None
+    if samples:
+        with open(samples, encoding="utf-8") as fh:
+            data = json.load(fh)
+    result = record_run(run_dir, recipe, overrides, data, command=command, code=_git_head(), machine={
+        "cpus": os.cpu_count(), "note": note}, date=time.strftime("%Y-%m-%d %H:%M"))
+    _write(result, out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure-default", action="store_true", help="run the default recipe and write its summary")
+    ap.add_argument("--from-run", metavar="RUN_DIR", help="record a finished run of the recipe instead of running one")
+    ap.add_argument("--samples", help="with --from-run: _cpu_monitor samples (JSON) taken while it ran")
+    ap.add_argument("--command", default="", help="with --from-run: the command that made the run")
+    ap.add_argument("--note", default="", help="with --from-run: the machine's load while it ran, and who ran it")
     ap.add_argument("--recipe", default="configs/tiny_cpu.yaml")
     ap.add_argument("--profile", default="benchmarks/results/cpu_profile.json")
     ap.add_argument("--run", default="benchmarks/results/default_recipe_run.json")
@@ -132,6 +182,9 @@ def main() -> int:
     os.chdir(REPO)
     if args.measure_default:
         measure_default(args.recipe, args.run, args.overrides)
+        return 0
+    if args.from_run:
+        from_run(args.from_run, args.recipe, args.run, args.overrides, args.samples, args.command, args.note)
         return 0
     from realscale.sim.validate import validate
 

@@ -153,14 +153,14 @@ def measure_default(recipe: str, out: str, overrides: list[str]) -> None:
 
 
 def from_run(run_dir: str, recipe: str, out: str, overrides: list[str], samples: str | None, command: str,
-             note: str) -> None:
+             note: str, code: str) -> None:
     """Record a default-recipe run made by someone else's command (a quiet-machine run),
     with ``samples`` from ``benchmarks/_cpu_monitor.py`` watching it if there are any."""
     data = None
     if samples:
         with open(samples, encoding="utf-8") as fh:
             data = json.load(fh)
-    result = record_run(run_dir, recipe, overrides, data, command=command, code=_git_head(), machine={
+    result = record_run(run_dir, recipe, overrides, data, command=command, code=code or _git_head(), machine={
         "cpus": os.cpu_count(), "note": note}, date=time.strftime("%Y-%m-%d %H:%M"))
     _write(result, out)
 
@@ -172,6 +172,7 @@ def main() -> int:
     ap.add_argument("--samples", help="with --from-run: _cpu_monitor samples (JSON) taken while it ran")
     ap.add_argument("--command", default="", help="with --from-run: the command that made the run")
     ap.add_argument("--note", default="", help="with --from-run: the machine's load while it ran, and who ran it")
+    ap.add_argument("--code", default="", help="with --from-run: the commit the run's code was (default: this HEAD)")
     ap.add_argument("--recipe", default="configs/tiny_cpu.yaml")
     ap.add_argument("--profile", default="benchmarks/results/cpu_profile.json")
     ap.add_argument("--run", default="benchmarks/results/default_recipe_run.json")
@@ -184,7 +185,7 @@ def main() -> int:
         measure_default(args.recipe, args.run, args.overrides)
         return 0
     if args.from_run:
-        from_run(args.from_run, args.recipe, args.run, args.overrides, args.samples, args.command, args.note)
+        from_run(args.from_run, args.recipe, args.run, args.overrides, args.samples, args.command, args.note, args.code)
         return 0
     from realscale.sim.validate import validate
 

@@ -9,7 +9,9 @@ summed per role, and the machine's busy CPU seconds (``/proc/stat``), so that wh
 jobs on the machine took is the difference. :func:`during` sums them over given wall-clock
 windows (the trainer's updates, say), pro-rating the samples that straddle a window edge.
 
-Linux only (``/proc``); a process that exits between two samples loses its last
+``python benchmarks/_cpu_monitor.py PID OUT.json`` watches a run started some other way
+(PID: its ``realscale train`` process) and writes the samples for
+``benchmarks/sim_validate.py --from-run``. Linux only (``/proc``); a process that exits between two samples loses its last
 interval's CPU (the run's processes live as long as the run).
 """
 
@@ -175,3 +177,23 @@ def during(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) ->
     return {"wall_s": wall, "cpu_s": {r: v[0] for r, v in out.items()}, "runq_s": {r: v[1] for r, v in out.items()},
             "threads_cpu_runq_s": {k: [round(v[0], 3), round(v[1], 3)] for k, v in sorted(threads.items())},
             "machine_busy_s": machine, "other_jobs_cpu_s": max(0.0, machine - ours)}
+
+
+def main() -> None:
+    """``python benchmarks/_cpu_monitor.py PID OUT.json``: watch the run whose
+    ``realscale train`` process is PID until it exits; write the samples (for
+    ``sim_validate.py --from-run RUN_DIR --samples OUT.json``)."""
+    import json
+    import sys
+
+    pid, out = int(sys.argv[1]), sys.argv[2]
+    monitor = CpuMonitor(pid, 1.0).start()
+    while os.path.exists(f"/proc/{pid}"):
+        time.sleep(2)
+    monitor.stop()
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(monitor.samples, fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,17 @@
 """The step-time simulator against our measured CPU runs (issue 19, item 2).
 
     python -m realscale profile --repeats 7 --out benchmarks/results/cpu_profile.json  # the CPU profile (~12 min)
-    nice -n -20 python benchmarks/sim_validate.py --measure-default     # a default-recipe run (~5 min)
+    python benchmarks/sim_validate.py --measure-default                 # a default-recipe run (~7 min, quiet machine)
+    python benchmarks/sim_validate.py --from-run RUN_DIR --samples S    # or record a finished run (S: _cpu_monitor.py PID S)
     python benchmarks/sim_validate.py                                   # predict, compare, write JSON
 
 The profile times CPU (what each component costs with a core of its own), as the runs
-predicted had it: bench_async's ran on an otherwise idle machine. On a shared machine the
-default-recipe run needs the same; ``nice -n -20`` (root) gives its processes the cores
-ahead of other jobs, and the result records the load and the niceness it ran at.
+predicted had it: bench_async's ran on an otherwise idle machine, and the default-recipe run
+needs the same. ``nice`` cannot give it that on this machine: Linux autogroups share the CPU
+between sessions first and ``nice`` orders threads only inside one, so run it when the
+machine is quiet. The record keeps the load, the session's autogroup, and where the cores
+went (``benchmarks/_cpu_monitor.py``: every role's CPU and run-queue wait, and what other
+jobs took), so a loaded run shows itself.
 
 Predicts, from the measured profile alone (no fit to the numbers predicted), (1) the
 async/sync throughput ratio of bench_async (ten seeds, committed) and (2) the default

@@ -212,7 +212,10 @@ def main() -> int:
     load = {"start": _uptime()}
     if not os.path.isfile(os.path.join(sft_dir, "model.safetensors")):
         print(f"warm start (realscale sft) -> {sft_dir}", flush=True)
-        _realscale(["sft", RECIPE, f"sft.output={sft_dir}", f"run.seed={args.seed}"], os.path.join(args.work, "sft.log"))
+        # the runs' evaluation settings too: the held-out split is part of what a warm start
+        # was made with, and a run refuses a warm start made with other settings
+        _realscale(["sft", RECIPE, *QUICK_EVAL, f"sft.output={sft_dir}", f"run.seed={args.seed}"],
+                   os.path.join(args.work, "sft.log"))
     t0 = time.perf_counter()
     result = {"benchmark": "plan_modes", "command": "python benchmarks/bench_plan_modes.py " + " ".join(sys.argv[1:]),
               "profile": args.profile, "steps": args.steps, "cores": args.cores,

@@ -47,7 +47,7 @@ from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPubl
 from realscale.launcher.spec import stop_reason
 from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
 from realscale.parallel.device import init_distributed
-from realscale.parallel.rank_metrics import ComputeClock, gather_figures, step_figures
+from realscale.parallel.rank_metrics import ComputeClock, CpuClock, gather_figures, step_figures
 from realscale.rollout.controller import client_factory
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
@@ -140,8 +140,10 @@ class Trainer:
         shares, stats, moved = self._next_batch()
         t_wait = time.perf_counter() - t0
         self.clock.seconds()  # compute timed from here: this step's update only
+        cpu = CpuClock()  # was the update starved of a core? (rank_metrics docstring)
         stats.update(update_policy(self.engine, shares, self.cfg, self.critic, self.ref))
         t_train = time.perf_counter() - t0 - t_wait
+        stats.update({f"perf/train_{k}": v for k, v in cpu.seconds().items()})
         # every rank's transfer and compute figures, gathered: does rank 0 hold the others up?
         stats.update(step_figures(gather_figures({**moved.local(), "compute_s": self.clock.seconds()})))
         self.version += 1

@@ -15,6 +15,11 @@ collective); :func:`step_figures` turns them into the step's metrics:
 
 - ``perf/compute_s_rank0`` / ``perf/compute_s_max_other``: forward/backward compute seconds
   of rank 0 and of the slowest other rank (rank 0 also hosts the rollout side);
+- ``perf/train_cpu_s`` / ``perf/train_runq_s`` (driver rank, :class:`CpuClock`): CPU seconds its
+  process spent in the update and seconds the thread running the update sat runnable on a
+  run queue waiting for a core (Linux; absent elsewhere). Wall time minus these two is time blocked (I/O,
+  locks, collectives). On a CPU host the run queue says whether the update was starved by
+  the generation server, the rollout process or another job;
 - ``perf/batch_bytes`` (sum over ranks of the tensor bytes received),
   ``perf/batch_header_bytes``, ``perf/batch_s`` (the slowest rank's transfer time) from
   :class:`realscale.parallel.batch_scatter.ScatterStats`.
@@ -22,6 +27,8 @@ collective); :func:`step_figures` turns them into the step's metrics:
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 COMPUTE_TIMERS = ("forward-compute", "backward-compute")
@@ -44,6 +51,35 @@ all their configs)."""
     def seconds(self) -> float:
         """Compute seconds since the previous call."""
         return sum(self.timers(name).elapsed(reset=True) for name in COMPUTE_TIMERS)
+
+
+def _runq_seconds() -> float | None:
+    """Seconds the calling thread has waited on a run queue (runnable, no core free):
+    field 2 of ``/proc/self/task/TID/schedstat`` (Linux); None where there is none. The
+    calling thread only: with one torch thread it runs every op of the update, while the
+    process's other threads (gloo's loops, the server-control loop) mostly sleep."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class CpuClock:
+    """This process's CPU seconds and the calling thread's run-queue waiting seconds
+    between two calls."""
+
+    def __init__(self) -> None:
+        self._cpu, self._runq = time.process_time(), _runq_seconds()
+
+    def seconds(self) -> dict[str, float]:
+        """``{"cpu_s": ..., "runq_s": ...}`` since the previous call (``runq_s`` only on Linux)."""
+        cpu, runq = time.process_time(), _runq_seconds()
+        out = {"cpu_s": cpu - self._cpu}
+        if runq is not None and self._runq is not None:
+            out["runq_s"] = max(0.0, runq - self._runq)
+        self._cpu, self._runq = cpu, runq
+        return out
 
 
 def gather_figures(local: dict[str, float]) -> list[dict[str, float]]:

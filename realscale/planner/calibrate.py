@@ -354,7 +354,7 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
 
     import torch
 
-    from realscale.train.actor import update_policy
+    from realscale.train.actor import split_for_dp, update_policy
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     torch.set_num_threads(threads)
@@ -364,7 +364,7 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
     for i, (tokens, seq_len, mb) in enumerate(TRAIN_POINTS):
         c = copy.deepcopy(cfg)
         c.train.mini_batches = mb
-        batch = _packed(vocab, tokens, seq_len, min(prompt_len, seq_len // 2), i)
+        batch = split_for_dp(_packed(vocab, tokens, seq_len, min(prompt_len, seq_len // 2), i), mb, 1)[0]
         update_policy(engine, batch, c)  # warm-up
         cpu = _times(lambda: update_policy(engine, batch, c), repeats, time.process_time)
         wall = _times(lambda: update_policy(engine, batch, c), repeats)

@@ -40,8 +40,11 @@ What is simulated, event by event (times in seconds):
   workers; requests per second taken as its tokens per second over the mean answer
   length); the trainer demands one core while it trains. With demand ``D`` above the
   ``C`` cores every role runs at ``C / D`` of its speed. A server's speed is set when it
-  plans a chunk (the trainer starting cuts every chunk at its next step), the trainer's
-  when it starts a step. On GPUs ``host_cores`` is 0 and nothing is shared.
+  plans a chunk (the trainer starting cuts every chunk at its next step); the trainer's
+  is set again whenever a server starts or ends a chunk (its compute so far counted at
+  the old speed), so a step that overlaps generation for part of its length is slowed for
+  that part only. After a weight update the servers get their new prompts before the
+  trainer takes its next batch, as the real controller resumes while the trainer goes on. On GPUs ``host_cores`` is 0 and nothing is shared.
 
 Outputs (:class:`SimResult`): effective training throughput (trained answer tokens / wall
 time, the AReaL paper's metric and ``perf/trained_tokens_per_s`` of our runs), generated
@@ -240,6 +243,10 @@ class Simulation:
                            f"KV cache of {server.kv_tokens:.0f} tokens")
         self.mean_len = max(1.0, w.mean_length())
         self.training = False   # the trainer computes (not waiting, not syncing)
+        self.train_left = 0.0   # the step's compute left, in seconds at full speed
+        self.train_rate = 1.0   # its current speed on a shared host
+        self.train_t = 0.0      # when train_left was last brought up to date
+        self.train_token = 0    # invalidates superseded train-done events
         self.trained_lens: list[int] = []
         self.stale: collections.Counter[int] = collections.Counter()
         self.snap: dict[str, float] = {}
@@ -261,7 +268,8 @@ class Simulation:
                 if b == srv.token:
                     self._chunk_done(srv)
             elif kind == _TRAIN_DONE:
-                self._train_done()
+                if a == self.train_token:
+                    self._train_done()
             else:
                 self._sync_done()
         if len(self.timeline) < self.cfg.steps:
@@ -338,7 +346,9 @@ class Simulation:
             srv.token += 1
             srv.active, srv.boundary = True, False
             self._push(srv.t0 + srv.k * srv.st, _CHUNK, srv.idx, srv.token)
+            self._rate_trainer()
             return
+        self._rate_trainer()
 
     def _context(self, srv: _Server) -> float:
         """The context a decode step of ``srv`` attends over now: the running requests'
@@ -460,19 +470,31 @@ class Simulation:
             self.stale[self.version - g.version] += 1
             self.trained_lens.extend(s.length for s in g.seqs)
         t_train = self.tm.train_seconds(n, n * self.cfg.workload.prompt_len, answer_tokens)
-        t_train /= self._speed(trainer=True)
         if self.cfg.colocated:
             t_train += self.cfg.switch_seconds
         self.trainer_busy = True
+        self._batch = (self.now, answer_tokens, max(self.version - g.version for g in groups))
+        self.train_left, self.train_t = t_train, self.now
         if self.cfg.host_cores > 0:
             self.training = True
             for srv in self.servers:  # they now share the host with the trainer
                 self._cut(srv)
-        self._batch = (self.now, answer_tokens, max(self.version - g.version for g in groups))
-        self.train_busy += t_train
-        self._push(self.now + t_train, _TRAIN_DONE)
+        self._rate_trainer(start=True)
+
+    def _rate_trainer(self, start: bool = False) -> None:
+        """(Re)schedule the end of the trainer's step at its speed now: on a shared host the
+        speed changes whenever a server starts or ends a chunk, so the compute left is
+        brought up to date at the old speed and the rest runs at the new one."""
+        if not (start or self.training):
+            return
+        self.train_left = max(0.0, self.train_left - (self.now - self.train_t) * self.train_rate)
+        self.train_t = self.now
+        self.train_rate = self._speed(trainer=True)
+        self.train_token += 1
+        self._push(self.now + self.train_left / self.train_rate, _TRAIN_DONE, self.train_token)
 
     def _train_done(self) -> None:
+        self.train_busy += self.now - self._batch[0]
         self.training = False
         self.submitting = False
         self._train_end = self.now
@@ -504,8 +526,8 @@ class Simulation:
                 extra = srv.ctx_sum
             if not srv.active:
                 self._plan(srv, extra)
-        self._try_train()
         self._refill()
+        self._try_train()
 
     # ------------------------------------------------------------------ results
 

@@ -123,6 +123,16 @@ def test_a_shared_host_slows_only_what_overlaps() -> None:
     assert busy.step_seconds > free.step_seconds
 
 
+def test_the_trainer_is_slowed_only_while_a_server_decodes_beside_it() -> None:
+    """One core, η = 1: after each weight update the server gets the next group (10 steps
+    of STEP) while the trainer starts its step. Both run at half speed until the group is
+    done (0.2 s, the trainer 0.1 s along), then the trainer alone: TRAIN + 10·STEP. A
+    speed fixed when the step starts would give TRAIN (server seen idle) or 2·TRAIN."""
+    res = simulate(SimConfig(_fixed(10), eta=1, n_servers=1, steps=6, warmup=2, host_cores=1.0), _server(), _trainer())
+    for t in res.timeline[2:]:
+        assert t.train_end - t.batch_ready == pytest.approx(TRAIN + 10 * STEP)
+
+
 def test_padded_server_decodes_at_its_longest_context() -> None:
     """A padded server's step attends over the longest running context, a paged one over the mean."""
     w = _fixed(50, n=2)

@@ -3,8 +3,9 @@
 Inputs, all committed, each with the command that produced it: the CPU profile measured by
 ``realscale profile`` (benchmarks/results/cpu_profile.json), bench_async's ten-seed results
 (benchmarks/results/async_vs_sync_seeds1-10.json) and a measured default-recipe run
-(benchmarks/results/default_recipe_run.json, ``python benchmarks/sim_validate.py
---measure-default``). The measured numbers are recomputed here from the runs' own
+(benchmarks/results/default_recipe_run.json: a `realscale train` run of the default recipe on a
+quiet machine, recorded by ``python benchmarks/sim_validate.py --from-run``; ``--measure-default``
+runs and records one). The measured numbers are recomputed here from the runs' own
 summaries, never taken from the simulator. Nothing in the simulator or the profile is
 fitted to the two numbers checked (realscale/sim/validate.py says what is taken from the
 runs: their workload statistics, never their timings). If the simulator, the cost model,
@@ -49,7 +50,8 @@ def test_the_inputs_are_measured_runs_with_their_commands(profile) -> None:  # n
     bench, run = _load(V.BENCH_ASYNC), _load(V.DEFAULT_RUN)
     assert "bench_async.py" in bench["command"] and len(bench["pairs"]) == 10
     assert all("bench_async.py" in p["command"] for p in bench["pairs"])
-    assert "sim_validate.py --measure-default" in run["command"] and run["summary"]["steps"] >= 10
+    assert ("sim_validate.py --measure-default" in run["command"] or "realscale train" in run["command"])
+    assert run["summary"]["steps"] >= 10 and len(run["per_step"]) == run["summary"]["steps"]
 
 
 def test_bench_async_ratio_within_20_percent(profile, monkeypatch) -> None:  # noqa: ANN001
@@ -62,13 +64,14 @@ def test_bench_async_ratio_within_20_percent(profile, monkeypatch) -> None:  # n
     assert abs(res["error"]) <= V.TOLERANCE, res
 
 
-@pytest.mark.xfail(strict=True, reason="known miss (BENCHMARKS.md, 'Validation against our own CPU runs'): predicted "
-                   "3.2 s a step against 5.5 s measured (-41%): update_policy took 4.6 s a step in the run, 3.2 s "
-                   "in the profile's isolated trainer; abort pauses 0.6 s against 0.01 s. Strict: a pass means the "
-                   "gap closed; then drop this mark")
 def test_default_recipe_step_time_within_20_percent(profile, monkeypatch) -> None:  # noqa: ANN001
+    """The default recipe's mean step (steps after the first) on a quiet machine. It failed
+    at -41% against a run taken while other sessions' jobs shared the cores (nice does not
+    order threads across Linux autogroups; BENCHMARKS.md) and at -27% with the trainer's
+    share of the cores fixed when its step began, while the servers looked idle."""
     monkeypatch.chdir(REPO)
     run = _load(V.DEFAULT_RUN)
+    assert run["cpu"]["updates"]["other_jobs_cpu_s"] < 0.1 * run["cpu"]["updates"]["wall_s"]  # a quiet machine
     res = V.predict_default_step(profile, run, seeds=3)
     s = run["summary"]
     assert res["measured_step_s"] == pytest.approx((s["rl_seconds"] - s["step1_seconds"]) / (s["steps"] - 1))

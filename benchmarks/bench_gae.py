@@ -34,7 +34,7 @@ from realscale import kernels
 from realscale.algo.gae import gae, gae_reference, gae_torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _stats import load_average, spread  # noqa: E402 - benchmarks/ is not a package
+from _stats import Spread, load_average, spread  # noqa: E402 - benchmarks/ is not a package
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gae.json")
 
@@ -149,10 +149,9 @@ def main() -> None:
         ref_s = by_setting.get((row["gamma"], row["lam"]))
         ratio = f"{ref_s / row['median_s']:,.0f}x" if ref_s else "-"
         row["speedup_vs_padded"] = ref_s / row["median_s"] if ref_s else None
-        st = row["seconds"]
-        cell = f"{st['median'] * 1e3:,.2f} ({st['q1'] * 1e3:,.2f}–{st['q3'] * 1e3:,.2f})"
-        print(f"| {row['impl']} | {row['gamma']}, {row['lam']} | {st['n']} | {cell} | "
-              f"{st['lo'] * 1e3:,.2f} | {row['tokens_per_s'] / 1e6:,.1f}M | {ratio} |")
+        st = Spread(**row["seconds"])
+        print(f"| {row['impl']} | {row['gamma']}, {row['lam']} | {st.n} | {st.cell(1e3)} | "
+              f"{st.lo * 1e3:,.2f} | {row['tokens_per_s'] / 1e6:,.1f}M | {ratio} |")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"benchmark": "gae", "machine": platform.processor() or platform.machine(),

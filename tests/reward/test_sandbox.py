@@ -70,8 +70,17 @@ def test_without_root_it_refuses_or_warns_once_when_allowed(tmp_path) -> None:
     """A trainer that is not root (uid 65534 here) gets no layer but a cgroup it cannot
     create: each layer says why; runs are refused; allowed, they run with one warning."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": repo, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    # the checkout may sit where uid 65534 cannot read (a 0700 mktemp dir): give it a copy
+    pkg = tmp_path / "pkg"
+    shutil.copytree(os.path.join(repo, "realscale"), pkg / "realscale",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(pkg), "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    for path in (tmp_path, *tmp_path.parents[:2]):  # pytest's own base directories are 0700
+        os.chmod(path, os.stat(path).st_mode | 0o711)
     os.chmod(tmp_path, 0o777)
+    for root, dirs, files in os.walk(pkg):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o755)
     out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
                           _AS_NOBODY], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

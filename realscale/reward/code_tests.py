@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
+from realscale._pyast import parse
+
 
 @dataclass(frozen=True)
 class StdioTests:
@@ -110,7 +112,7 @@ def _prelude(prompt: str) -> str:
     indent = len(lines[-1]) - len(lines[-1].lstrip()) if lines else 0
     for text in (prompt, prompt.rstrip() + "\n" + " " * (indent + 4) + "pass\n"):
         try:
-            ast.parse(text)
+            parse(text)
             return text
         except SyntaxError:
             continue
@@ -121,7 +123,7 @@ def free_names(test: str) -> list[str]:
     """Names the test code reads but never binds (and that are not builtins): the ones it
     must take from the candidate."""
     try:
-        tree = ast.parse(test)
+        tree = parse(test)
     except SyntaxError as exc:
         raise ValueError(f"tests: not Python: {exc}") from None
     loaded, bound = set(), set()

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from realscale._pyast import parse
 from realscale.data.dataset import PromptSample
 from realscale.reward.result import OK, RewardResult
 from realscale.rollout.rewards import RewardFn, as_result, call_reward, routed_reward
@@ -265,7 +266,7 @@ def safe_eval(expr: str, max_chars: int = 200) -> float:
             return _UNOPS[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported syntax: {type(node).__name__}")
 
-    return ev(ast.parse(expr.strip(), mode="eval"))
+    return ev(parse(expr.strip(), mode="eval"))
 
 
 def _fmt(value: Any) -> str:

@@ -60,3 +60,21 @@ def test_timeout_kills_ranks() -> None:
 def test_dead_rank_is_reported() -> None:
     with pytest.raises(DistributedError, match="rank 0 died"):
         run_distributed(_die, 2, timeout=60)
+
+
+def _die_mid_collective() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))  # fails when rank 1's sockets close
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_death_is_reported_before_the_errors_it_causes(attempt: int) -> None:
+    # Rank 1's death makes rank 0 fail a moment later; which of the two reaches the
+    # harness first is a race (CI once saw the peer's "Connection reset" instead of the
+    # death), so the scenario runs three times.
+    with pytest.raises(DistributedError, match=r"^rank 1 died \(exit code 3\)"):
+        run_distributed(_die_mid_collective, 2, timeout=60)

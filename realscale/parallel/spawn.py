@@ -17,6 +17,10 @@ import traceback
 from typing import Any, Callable
 
 
+# How long a rank's failure waits for news of a peer's death that caused it.
+DEATH_GRACE_S = 1.0
+
+
 class DistributedError(RuntimeError):
     """A rank failed; the message holds its traceback."""
 
@@ -63,6 +67,7 @@ class DistributedJob:
         self.world_size = world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self._early: dict[int, tuple[str, Any]] = {}  # messages read while looking for a root cause
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             # Not daemonic: ranks may start processes of their own (megatron's checkpoint
@@ -87,21 +92,56 @@ class DistributedJob:
                                            f"{timeout:.0f} s")
                 for rank in sorted(pending):
                     conn = self.conns[rank]
-                    if conn.poll(0.05):
+                    if rank in self._early or conn.poll(0.05):
                         try:
-                            status, payload = conn.recv()
+                            status, payload = self._early.pop(rank) if rank in self._early else conn.recv()
                         except EOFError:
-                            raise DistributedError(f"rank {rank} died (exit code {self.procs[rank].exitcode})") from None
+                            raise DistributedError(self._death(rank)) from None
                         if status == "error":
-                            raise DistributedError(f"rank {rank} of {self.world_size} failed:\n{payload}")
+                            raise self._root_cause(rank, payload, pending)
                         results[rank] = pickle.loads(payload)
                         pending.discard(rank)
                     elif not self.procs[rank].is_alive() and not conn.poll(0):
-                        raise DistributedError(f"rank {rank} died (exit code {self.procs[rank].exitcode}) "
-                                               "without a result")
+                        raise DistributedError(self._death(rank))
         finally:
             self._end(grace=5 if not pending else 0)
         return results
+
+    def _root_cause(self, rank: int, payload: str, pending: set[int]) -> DistributedError:
+        """The error to report when ``rank`` failed with ``payload``.
+
+        A rank that dies takes its sockets with it, and its peers then fail on
+        "Connection reset by peer" (rank 0 holds the TCPStore); those peers' tracebacks
+        can reach us before the death is seen. So look, for a moment, for another rank
+        that died without a result: that death is the cause, and is reported first.
+        """
+        failed = f"rank {rank} of {self.world_size} failed:\n{payload}"
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            for other in sorted(pending - {rank}):
+                if not self.procs[other].is_alive() and not self._has_message(other):
+                    return DistributedError(f"{self._death(other)}; then {failed}")
+            if time.monotonic() > deadline:
+                return DistributedError(failed)
+            time.sleep(0.05)
+
+    def _death(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)  # its pipe can close a moment before it is reaped
+        return f"rank {rank} died (exit code {proc.exitcode}) without a result"
+
+    def _has_message(self, rank: int) -> bool:
+        """Whether ``rank`` sent something before its pipe closed (EOF alone is no message)."""
+        if rank in self._early:
+            return True
+        conn = self.conns[rank]
+        if not conn.poll(0):
+            return False
+        try:
+            self._early[rank] = conn.recv()
+        except EOFError:
+            return False
+        return True
 
     def kill(self) -> None:
         self._end(grace=0)

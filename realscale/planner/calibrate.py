@@ -32,7 +32,8 @@ weight sync spans two processes and HTTP, so it is timed by the wall clock.
   per request is kept beside it;
 - **rollout side**: the run's real rollout controller, workflow and reward workers
   (:func:`realscale.rollout.factory.build_controller`) against that server for
-  :data:`ROLLOUT_SECONDS`, no trainer: their CPU time per finished request
+  :data:`ROLLOUT_SECONDS`, no trainer, the all-equal filter off (a random-weight model
+  fails every sample alike): their CPU time per finished request
   (``eff.client_request_cpu_s``), the host CPU each request costs outside the server; with
   ``gpu.host_cores`` (this machine's CPUs) the simulator makes the roles share the cores;
 - **weight sync**: the trainer's real update path into that server
@@ -418,6 +419,11 @@ def _rollout_cpu(cfg: Any, model_dir: str, url: str, work_dir: str, server_pid: 
 
     c = copy.deepcopy(cfg)
     c.rollout.max_staleness = 1 << 20  # keep max_concurrent groups in flight
+    # A random-weight model answers nearly every group all-wrong, so DAPO's filter would
+    # drop almost all of them and one get_batch would wait minutes (91 s measured for the
+    # tiny recipe) or time out. Its cost per group is one small tensor op; the figure is
+    # per finished request, filtered or not, so measure with it off.
+    c.rollout.filter_all_equal = False
     c.generate.max_new_tokens = ROLLOUT_MAX_NEW
     me = psutil.Process()
 

@@ -67,7 +67,6 @@ class DistributedJob:
         self.world_size = world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
-        self._early: dict[int, tuple[str, Any]] = {}  # messages read while looking for a root cause
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             # Not daemonic: ranks may start processes of their own (megatron's checkpoint
@@ -91,21 +90,32 @@ class DistributedJob:
                     raise DistributedError(f"ranks {sorted(pending)} of {self.world_size} did not finish within "
                                            f"{timeout:.0f} s")
                 for rank in sorted(pending):
-                    conn = self.conns[rank]
-                    if rank in self._early or conn.poll(0.05):
-                        try:
-                            status, payload = self._early.pop(rank) if rank in self._early else conn.recv()
-                        except EOFError:
-                            raise DistributedError(self._death(rank)) from None
-                        if status == "error":
-                            raise self._root_cause(rank, payload, pending)
-                        results[rank] = pickle.loads(payload)
-                        pending.discard(rank)
-                    elif not self.procs[rank].is_alive() and not conn.poll(0):
+                    message = self._receive(rank, wait=0.05)
+                    if message is None:
+                        continue
+                    status, payload = message
+                    if status == "died":
                         raise DistributedError(self._death(rank))
+                    if status == "error":
+                        raise self._root_cause(rank, payload, pending)
+                    results[rank] = pickle.loads(payload)
+                    pending.discard(rank)
         finally:
             self._end(grace=5 if not pending else 0)
         return results
+
+    def _receive(self, rank: int, wait: float) -> tuple[str, Any] | None:
+        """What ``rank`` sent: ("ok", pickled result) or ("error", traceback); ("died", None)
+        when it closed its pipe or exited without sending; None when nothing came yet."""
+        conn = self.conns[rank]
+        if conn.poll(wait):
+            try:
+                return conn.recv()
+            except EOFError:
+                return ("died", None)
+        if not self.procs[rank].is_alive() and not conn.poll(0):
+            return ("died", None)
+        return None  # alive, or exited with a message still to read (the next call reads it)
 
     def _root_cause(self, rank: int, payload: str, pending: set[int]) -> DistributedError:
         """The error to report when ``rank`` failed with ``payload``.
@@ -116,11 +126,16 @@ class DistributedJob:
         that died without a result: that death is the cause, and is reported first.
         """
         failed = f"rank {rank} of {self.world_size} failed:\n{payload}"
+        silent = pending - {rank}  # ranks that have not reported; one that reports is no death
         deadline = time.monotonic() + DEATH_GRACE_S
         while True:
-            for other in sorted(pending - {rank}):
-                if not self.procs[other].is_alive() and not self._has_message(other):
+            for other in sorted(silent):
+                message = self._receive(other, wait=0)
+                if message is None:
+                    continue
+                if message[0] == "died":
                     return DistributedError(f"{self._death(other)}; then {failed}")
+                silent.discard(other)
             if time.monotonic() > deadline:
                 return DistributedError(failed)
             time.sleep(0.05)
@@ -129,19 +144,6 @@ class DistributedJob:
         proc = self.procs[rank]
         proc.join(timeout=1.0)  # its pipe can close a moment before it is reaped
         return f"rank {rank} died (exit code {proc.exitcode}) without a result"
-
-    def _has_message(self, rank: int) -> bool:
-        """Whether ``rank`` sent something before its pipe closed (EOF alone is no message)."""
-        if rank in self._early:
-            return True
-        conn = self.conns[rank]
-        if not conn.poll(0):
-            return False
-        try:
-            self._early[rank] = conn.recv()
-        except EOFError:
-            return False
-        return True
 
     def kill(self) -> None:
         self._end(grace=0)

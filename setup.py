@@ -100,7 +100,7 @@ EXTRAS = {
     # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
     "gpu": [
         "transformer-engine[pytorch]",
-        "sglang>=0.5.21,<0.5.24",  # = realscale.generate.sglang_reference.SUPPORTED (a test keeps them equal)
+        "sglang>=0.5.21,<0.5.24",  # = realscale.inference.sglang_reference.SUPPORTED (a test keeps them equal)
         "flash-attn",
     ],
 }
@@ -121,6 +121,6 @@ setup(
     entry_points={
         "console_scripts": ["realscale=realscale.cli:main"],
         # vLLM loads these in every process it starts: registers the gloo weight-transfer engine
-        "vllm.general_plugins": ["realscale_gloo_weights=realscale.generate.vllm_plugin:register"],
+        "vllm.general_plugins": ["realscale_gloo_weights=realscale.inference.vllm_plugin:register"],
     },
 )

@@ -1,5 +1,5 @@
 """Rollout batch to the trainer ranks: the pickled broadcast (main until the batch scatter)
-vs the batch scatter (:mod:`realscale.parallel.batch_scatter`), side by side.
+vs the batch scatter (:mod:`realscale.train.batch_scatter`), side by side.
 
 For each batch size and layout, each method runs in fresh gloo processes (so rank 0's
 peak memory is its own):
@@ -90,7 +90,7 @@ def _rank(method: str, size: str, tp: int, pp: int, repeats: int, areal_scale: f
     import torch.distributed as dist
 
     from realscale.config import AlgoConfig
-    from realscale.parallel.batch_scatter import BatchScatter
+    from realscale.train.batch_scatter import BatchScatter
     from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
     from realscale.train.actor import split_for_dp, stage_needs
 

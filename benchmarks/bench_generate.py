@@ -49,7 +49,7 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, sample: bool)
 
 def _engine_run(engine, prompts: list[list[int]], lengths: list[int], temperature: float) -> float:
     """Seconds for our engine to finish all requests submitted at once (continuous batching)."""
-    from realscale.generate.engine import Request, SamplingOptions
+    from realscale.serve.engine import Request, SamplingOptions
 
     reqs = [Request(rid=str(i), input_ids=p, params=SamplingOptions(max_new_tokens=n, temperature=temperature,
                                                                       ignore_eos=True))
@@ -112,7 +112,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from realscale.generate.server import EmbeddedServer, start_in_thread
+    from realscale.serve.server import EmbeddedServer, start_in_thread
     from realscale.models.tiny import resolve_model_path
 
     path = resolve_model_path(MODEL)

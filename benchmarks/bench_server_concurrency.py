@@ -28,7 +28,7 @@ RESULT = os.path.join(REPO, "benchmarks", "results", "server_concurrency.json")
 async def _tokens_per_s(url: str, prompts: list[list[int]], inflight: int, seconds: float,
                         max_new_tokens: int) -> float:
     """Generated tokens/s with ``inflight`` calls kept running for ``seconds``."""
-    from realscale.generate.client import InferenceClient
+    from realscale.inference.client import InferenceClient
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0}
     source = itertools.cycle(prompts)
@@ -50,7 +50,7 @@ async def _tokens_per_s(url: str, prompts: list[list[int]], inflight: int, secon
 def _prompts(model: str, data_cfg: object) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from realscale.rollout.workflows import prompt_ids
+    from realscale.data.tokens import prompt_ids
     from realscale.tasks.long_tail import LongTailTask
 
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -13,7 +13,7 @@ on every trainer rank; HTTP control included, pause/resume not):
   server rank exactly the slices of its shard, from whichever trainer rank holds them;
   each server rank receives in its own process, into its weight buffer.
 - **gather-broadcast** (``BroadcastTransport``, SGLang's protocol, the scheme of
-  ``realscale/parallel/reshard_baseline.py``): the trainer's export gathers every tensor
+  ``benchmarks/reshard_baseline.py``): the trainer's export gathers every tensor
   over TP and down the pipeline to rank 0, which broadcasts each HF tensor to every
   server rank; each server rank cuts its own Megatron-layout shard from the full tensors.
 
@@ -38,7 +38,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "parallel"))  # weight_world_cases: perturb, server_check
+sys.path.insert(0, os.path.join(ROOT, "tests", "publish"))  # weight_world_cases: perturb, server_check
 
 LAYOUTS = {"tp2": "d1t2p1", "pp2": "d1t1p2", "tp2xpp2": "d1t2p2"}
 DESTINATIONS = {"2 x 1-rank": (2, 1), "1 x 2-rank": (1, 2)}  # (servers, ranks each)
@@ -67,7 +67,9 @@ def trainer(model: str, layouts: list[str], servers: dict[str, list[tuple[str, i
     import torch.distributed as dist
     from weight_world_cases import server_check
 
-    from realscale.generate.publish import BroadcastTransport, ClientControl, ReshardTransport, ServerEndpoint
+    from realscale.publish.broadcast import BroadcastTransport
+    from realscale.publish.control import ClientControl, ServerEndpoint
+    from realscale.publish.reshard import ReshardTransport
     from realscale.parallel.mesh import Strategy
     from realscale.train.engine import EngineConfig, MegatronEngine
 

@@ -252,7 +252,7 @@ class GenerateConfig:
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
     request_timeout: float = knob(0.0, "Seconds a generation request may run before it is aborted on its server (its partial output kept) and resent. 0: auto, from the request's token budget and the decode rate measured on this run (timeout_slack times the expected time; none until a first answer was measured); -1: never; > 0: fixed. The trainer's wait for a batch follows from it.")
     timeout_slack: float = knob(4.0, "Auto request timeout: this many times the time a request's token budget takes at the slowest recently measured decode rate.")
-    base_port: int = knob(30000, "SGLang servers started by realscale.generate.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
+    base_port: int = knob(30000, "SGLang servers started by realscale.inference.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
     mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")

@@ -15,3 +15,7 @@ ValueError before still does. No imports here: ``realscale --help`` imports this
 
 class UserError(ValueError):
     """A mistake the user can fix; ``str()`` is one line naming what to do."""
+
+
+class LaunchError(RuntimeError):
+    """A process of the run failed or never became ready."""

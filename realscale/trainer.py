@@ -10,7 +10,7 @@ step:
 1. **batch** — the controller hands over B accepted groups, packed with GRPO/LOO
    advantages (GAE: token rewards), waiting for rollouts if needed; the driver splits
    every mini-batch into token-balanced data-parallel shares, and each rank receives only
-   its share, only the parts its pipeline stage reads (:mod:`realscale.parallel.batch_scatter`);
+   its share, only the parts its pipeline stage reads (:mod:`realscale.train.batch_scatter`);
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
    data-parallel rank on its share; with GAE the critic
    (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
@@ -18,7 +18,7 @@ step:
    (:mod:`realscale.train.reference`, same ranks and layout) gives reference log-probs
    for the KL penalty;
 3. **publish** — pause the servers, move the new weights, bump the version, resume
-   (:class:`realscale.generate.publish.WeightPublisher`);
+   (:class:`realscale.publish.publisher.WeightPublisher`);
 4. **log and checkpoint** — metrics every ``run.log_every`` steps, a checkpoint every
    ``run.checkpoint_every`` steps and at the end; a stop request (SIGUSR1: time limit or
    pre-emption) checkpoints and exits after the current step.
@@ -29,7 +29,7 @@ goes on under the old weights, and η bounds how old a trained token may be.
 Colocated mode (``parallel.mode: colocated``) has no servers of its own: the trainer ranks
 generate in a layout of their own while the driver waits for its batch, and "publish"
 reshards the weights into that layout in place
-(:class:`realscale.generate.colocated.ColocatedGeneration`; η = 0).
+(:class:`realscale.serve.colocated.ColocatedGeneration`; η = 0).
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
-from realscale.generate.colocated import ColocatedGeneration
-from realscale.generate.publish import ServerControl, ServerEndpoint, WeightPublisher, transport_for
+from realscale.serve.colocated import ColocatedGeneration
+from realscale.publish.control import ServerControl, ServerEndpoint
+from realscale.publish.publisher import WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
-from realscale.parallel.batch_scatter import BatchScatter, ScatterStats
+from realscale.train.batch_scatter import BatchScatter, ScatterStats
 from realscale.parallel.device import init_distributed
 from realscale.parallel.rank_metrics import ComputeClock, CpuClock, gather_figures, step_figures
 from realscale.rollout.controller import client_factory

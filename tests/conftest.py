@@ -48,3 +48,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # for; an end-to-end test names its own budget (pytest.mark.timeout)
         if "multiproc" in item.keywords and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(MULTIPROC_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """(Serving and inference tests) a tiny-qwen2 embedded server on a free port; yields (url, EmbeddedServer)."""
+    from realscale.serve.server import EmbeddedServer, start_in_thread
+
+    server = EmbeddedServer("tiny-qwen2", max_running=16, context_length=256)
+    url, stop = start_in_thread(server)
+    yield url, server
+    stop()

@@ -71,7 +71,7 @@ def test_user_errors_are_one_line_with_status_2(tmp_path) -> None:
     plan.write_text("roles: {actor_train: {mesh: '0:3', strategy: d2t2p1}}\n")
     assert f"parallel.plan: {plan}: placement d2t2p1 on gpus[0:3]: needs 4 GPUs" in _train_error(
         tmp_path, "model.path=tiny-qwen2", f"parallel.plan={plan}")
-    from realscale.generate.vllm_server import installed_vllm
+    from realscale.inference.vllm_server import installed_vllm
 
     if installed_vllm() is None:
         assert "generate.backend=vllm: vLLM is not installed" in _train_error(

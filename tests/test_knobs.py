@@ -55,7 +55,7 @@ CONSUMERS: dict[str, str] = {
     "parallel.plan": "realscale.planner.apply:apply_plan",
     "parallel.backend": "realscale.trainer:Trainer.__init__",
     "parallel.mode": "realscale.trainer:Trainer.__init__",
-    "parallel.release_idle_memory": "realscale.generate.colocated:ColocatedGeneration.__init__",
+    "parallel.release_idle_memory": "realscale.serve.colocated:ColocatedGeneration.__init__",
     # optim
     "optim.lr": "realscale.train.engine:EngineConfig.from_config",
     "optim.min_lr": "realscale.train.engine:EngineConfig.from_config",
@@ -111,14 +111,14 @@ CONSUMERS: dict[str, str] = {
     "generate.top_p": "realscale.rollout.workflows:sampling_params_from_config",
     "generate.top_k": "realscale.rollout.workflows:sampling_params_from_config",
     "generate.pause_mode": "realscale.trainer:Trainer.__init__",
-    "generate.weight_update": "realscale.generate.publish:transport_for",
+    "generate.weight_update": "realscale.publish.publisher:transport_for",
     "generate.request_timeout": "realscale.rollout.controller:client_kwargs",
-    "generate.base_port": "realscale.generate.sglang_launcher:launch_sglang",
+    "generate.base_port": "realscale.inference.sglang_launcher:launch_sglang",
     "generate.max_running_requests": "realscale.launcher.local:LocalBackend.start_servers",
-    "generate.tp": "realscale.generate.vllm_server:vllm_command",
-    "generate.cpu_threads": "realscale.generate.vllm_server:vllm_env",
-    "generate.vllm_kv_cache_mb": "realscale.generate.vllm_server:vllm_command",
-    "generate.vllm_enforce_eager": "realscale.generate.vllm_server:vllm_command",
+    "generate.tp": "realscale.inference.vllm_server:vllm_command",
+    "generate.cpu_threads": "realscale.inference.vllm_server:vllm_env",
+    "generate.vllm_kv_cache_mb": "realscale.inference.vllm_server:vllm_command",
+    "generate.vllm_enforce_eager": "realscale.inference.vllm_server:vllm_command",
     "generate.context_length": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.mem_fraction_static": "realscale.launcher.roles:_exec_sglang",
     # data
@@ -196,8 +196,8 @@ CONSUMERS: dict[str, str] = {
 
 # Consumers that nothing else in the package calls, and why that is still a real path.
 ENTRY_POINTS: dict[str, str] = {
-    "realscale.generate.sglang_launcher:launch_sglang": "standalone SGLang servers on GPUs "
-                                                        "(tests/generate/test_sglang_launcher.py, gpu marker)",
+    "realscale.inference.sglang_launcher:launch_sglang": "standalone SGLang servers on GPUs "
+                                                        "(tests/inference/test_sglang_launcher.py, gpu marker)",
 }
 
 

@@ -38,7 +38,7 @@ def test_rl_step_on_two_ranks_matches_one() -> None:
 
 def test_groups_to_batch_masks_prompts_and_broadcasts_advantages() -> None:
     from realscale.config import AlgoConfig
-    from realscale.rollout.types import Group, Trajectory
+    from realscale.data.groups import Group, Trajectory
     from realscale.train.actor import groups_to_batch
 
     def traj(reward: float, out: list[int], mask: list[int]) -> Trajectory:

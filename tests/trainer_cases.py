@@ -10,7 +10,7 @@ import torch
 def synthetic_groups(engine: Any, num_groups: int = 4, n: int = 4, seed: int = 0) -> list[Any]:
     """Groups of trajectories whose behaviour log-probs are the model's own plus noise
     (as a generation server one version behind would give), with mixed rewards."""
-    from realscale.rollout.types import Group, Trajectory
+    from realscale.data.groups import Group, Trajectory
     from realscale.train.batch import PackedBatch
 
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +39,7 @@ def scattered(engine: Any, cfg: Any, batch: Any) -> list[Any]:
     mini-batches and DP shares on rank 0, then the batch scatter (a collective)."""
     import torch.distributed as dist
 
-    from realscale.parallel.batch_scatter import BatchScatter
+    from realscale.train.batch_scatter import BatchScatter
     from realscale.train.actor import split_for_dp, stage_needs
 
     split = split_for_dp(batch, cfg.train.mini_batches, engine.ranks.dp) if dist.get_rank() == 0 else None

@@ -47,12 +47,20 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, [*args.overrides, *_flag_overrides(args)])
     from realscale.eval.benchmark import run_benchmark, settings_from_config
+    from realscale.launcher import served
+    from realscale.models.tiny import resolve_model_path
 
     data = args.data or cfg.eval.data or "task:arith"
     out = args.out or os.path.join(cfg.run.output_dir, "eval", os.path.basename(os.path.normpath(args.model)))
     urls = [u.strip() for u in args.servers.split(",") if u.strip()]
     try:
-        result = run_benchmark(cfg, args.model, settings_from_config(cfg, data), out, urls or None)
+        settings = settings_from_config(cfg, data)
+        if urls:
+            result = run_benchmark(cfg, args.model, settings, out, urls)
+        else:
+            model_dir = resolve_model_path(args.model)
+            with served(cfg, model_dir, out) as started:
+                result = run_benchmark(cfg, model_dir, settings, out, started)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     if args.examples:

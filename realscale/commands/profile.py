@@ -5,7 +5,7 @@
     realscale simulate configs/long_tail_cpu.yaml --profile benchmarks/results/cpu_profile.json
     realscale profile --show H800                                      # a profile's constants + sources
 
-What is measured and how it is fitted: realscale/planner/calibrate.py.
+What is measured and how it is fitted: realscale/launcher/calibrate.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.threads < 1 or args.repeats < 1:
         raise UsageError("--threads and --repeats must be >= 1")
-    from realscale.planner.calibrate import measure_cpu_profile
+    from realscale.launcher.calibrate import measure_cpu_profile
 
     prof = measure_cpu_profile(args.recipe, args.work, threads=args.threads, repeats=args.repeats)
     prof.save(args.out)

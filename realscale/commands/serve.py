@@ -1,7 +1,7 @@
 """``realscale serve``: start the embedded generation server (SGLang's HTTP protocol).
 
 ``--tp N`` runs it on N tensor-parallel ranks: this process (rank 0: HTTP + scheduler)
-and N-1 worker processes it spawns (:mod:`realscale.generate.ranks`). Exit code 1 means
+and N-1 worker processes it spawns (:mod:`realscale.serve.ranks`). Exit code 1 means
 a rank died (the log says which)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--tp must be >= 1 and --threads >= 0, got --tp {args.tp} --threads {args.threads}")
     import torch
 
-    from realscale.generate.server import EmbeddedServer, serve
+    from realscale.serve.server import EmbeddedServer, serve
 
     if args.threads:
         torch.set_num_threads(args.threads)

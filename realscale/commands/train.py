@@ -90,7 +90,7 @@ def preflight(cfg: "Config") -> None:
     if cfg.generate.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         raise UserError("generate.backend=sglang: SGLang is not installed (pip install -e \".[gpu]\")")
     if cfg.generate.backend == "vllm":
-        from realscale.generate.vllm_server import require_vllm
+        from realscale.inference.vllm_server import require_vllm
 
         try:
             require_vllm()

@@ -5,7 +5,7 @@ Two row layouts (one JSON object per line, or Parquet rows; ``realscale data con
 
 - ``prompt`` + ``response``: the prompt as one user turn in the model's chat template
   with the generation prompt (exactly the RL workflow's prompt layout,
-  :func:`realscale.rollout.workflows.prompt_ids`; the bare text for a model without a
+  :func:`realscale.data.tokens.prompt_ids`; the bare text for a model without a
   template), then the response's tokens and the EOS token;
 - ``messages``: a chat (``role`` / ``content``), rendered whole by the chat template.
 
@@ -36,7 +36,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
     """The RL workflow's prompt layout, or the bare text for a model without a chat template."""
     if has_chat_template(tokenizer):
-        from realscale.rollout.workflows import prompt_ids
+        from realscale.data.tokens import prompt_ids
 
         return prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))

@@ -9,10 +9,11 @@ rows with tests). The scores are pass@k (unbiased), avg@n and maj@n
 (:mod:`realscale.eval.metrics`).
 
 Generation goes through HTTP generation servers with the same client as the rollouts
-(:class:`realscale.generate.client.InferenceClient`: least-load routing, resends):
-servers that already run (``urls``: embedded, SGLang, vLLM), or servers started for the
-evaluation by the run's launcher backend (``generate.num_servers`` embedded servers on
-this machine, or job steps inside a Slurm allocation) and stopped after it. Prompts are
+(:class:`realscale.inference.client.InferenceClient`: least-load routing, resends):
+servers that already run (``urls``: embedded, SGLang, vLLM). ``realscale eval`` and the
+supervisor start servers for an evaluation when none are given
+(:func:`realscale.launcher.served`: ``generate.num_servers`` embedded servers on this
+machine, or job steps inside a Slurm allocation) and stop them after it. Prompts are
 laid out as the RL workflow lays them out: the model's chat template when it has one,
 the bare prompt text otherwise.
 
@@ -113,7 +114,7 @@ def load_problems(data: str, cfg: "Config", max_problems: int = 0) -> list["Prom
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """The RL workflow's prompt layout (chat template), or the bare text for a model without one."""
     if getattr(tokenizer, "chat_template", None):
-        from realscale.rollout.workflows import prompt_ids
+        from realscale.data.tokens import prompt_ids
 
         return prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))
@@ -126,7 +127,7 @@ async def _sample_all(urls: list[str], prompts: list[list[int]], settings: Bench
                       gen_cfg: Any, concurrency: int) -> list[list[Any]]:
     """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
     the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
-    from realscale.generate.client import InferenceClient
+    from realscale.inference.client import InferenceClient
 
     params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
               "top_p": settings.top_p}
@@ -165,8 +166,10 @@ def _extracted(sample: "PromptSample", text: str) -> str | None:
 
 
 def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, out_dir: str,
-                  urls: list[str] | None = None) -> BenchmarkResult:
-    """Evaluate ``model_dir`` on ``settings.data``; write per-problem records and the summary into ``out_dir``."""
+                  urls: list[str]) -> BenchmarkResult:
+    """Evaluate ``model_dir``, served at ``urls``, on ``settings.data``; write per-problem
+    records and the summary into ``out_dir``. (Whoever calls starts the servers:
+    ``realscale eval`` and the supervisor through :func:`realscale.launcher.served`.)"""
     from transformers import AutoTokenizer
 
     from realscale.models.tiny import resolve_model_path
@@ -177,20 +180,11 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     os.makedirs(out_dir, exist_ok=True)
-    start = time.perf_counter()
-    backend = None
     if not urls:
-        from realscale.launcher import backend_for
-
-        backend = backend_for(cfg, out_dir)
-        backend.prepare()
-        urls = backend.start_servers(model_dir, asdict(cfg))
-    try:
-        concurrency = max(1, cfg.generate.max_running_requests * len(urls))
-        results = asyncio.run(_sample_all(urls, prompts, settings, cfg.generate, concurrency))
-    finally:
-        if backend is not None:
-            backend.stop()
+        raise ValueError("realscale eval: no generation server to evaluate with (give --servers, or let it start some)")
+    start = time.perf_counter()
+    concurrency = max(1, cfg.generate.max_running_requests * len(urls))
+    results = asyncio.run(_sample_all(urls, prompts, settings, cfg.generate, concurrency))
     texts = [[tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in group] for group in results]
     try:
         verdicts = asyncio.run(_score_all(cfg, problems, texts))

@@ -58,7 +58,7 @@ class EvalResult:
 @contextlib.contextmanager
 def _embedded(model_dir: str, context_length: int, seed: int, max_running: int = 64) -> Iterator[Any]:
     """An in-process embedded server (engine + tokenizer), shut down afterwards."""
-    from realscale.generate.server import EmbeddedServer
+    from realscale.serve.server import EmbeddedServer
 
     server = EmbeddedServer(model_dir, max_running=max_running, context_length=max(context_length, 64), seed=seed)
     try:
@@ -72,7 +72,7 @@ def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: i
                          tokenizer: Any = None) -> list[list[str]]:
     """``samples`` decoded completions per prompt from the embedded generation engine
     (decoded with ``tokenizer``; default: the model directory's)."""
-    from realscale.generate.engine import Request, SamplingOptions
+    from realscale.serve.engine import Request, SamplingOptions
 
     longest = max(len(p) for p in prompts) + max_new_tokens + 1
     with _embedded(model_dir, longest, seed, max_running) as server:
@@ -93,8 +93,8 @@ class _EngineClient:
         self.engine = engine
 
     async def generate(self, ids: list[int], params: dict[str, Any]) -> Any:
-        from realscale.generate.client import GenerateResult
-        from realscale.generate.engine import Request, SamplingOptions
+        from realscale.inference.client import GenerateResult
+        from realscale.serve.engine import Request, SamplingOptions
 
         opts = SamplingOptions(max_new_tokens=int(params["max_new_tokens"]), temperature=float(params["temperature"]))
         done = await asyncio.wrap_future(self.engine.submit(Request(uuid.uuid4().hex, list(ids), opts,
@@ -172,15 +172,18 @@ def write_result(result: EvalResult, path: str) -> str:
     return path
 
 
-def evaluate_heldout(cfg: Config, model_dir: str, out_dir: str = "") -> dict[str, float] | None:
+def evaluate_heldout(cfg: Config, model_dir: str, out_dir: str = "",
+                     urls: list[str] | None = None) -> dict[str, float] | None:
     """A run's before/after evaluation. With ``eval.data`` set: the benchmark's pass@k /
     avg@n / maj@n through generation servers (records under ``out_dir``). Otherwise, for
     task sources, accuracy on the task's held-out split: greedy, and sampled at the run's
-    temperature (4 samples per prompt: the policy RL trains). None for other sources."""
+    temperature (4 samples per prompt: the policy RL trains). None for other sources.
+    ``urls``: the servers of ``model_dir`` that the benchmark samples from (``eval.data``)."""
     if cfg.eval.data:
         from realscale.eval.benchmark import run_benchmark, settings_from_config
 
-        result = run_benchmark(cfg, model_dir, settings_from_config(cfg), out_dir or os.path.join(model_dir, "eval"))
+        result = run_benchmark(cfg, model_dir, settings_from_config(cfg), out_dir or os.path.join(model_dir, "eval"),
+                               urls or [])
         print(result.table(), flush=True)
         return result.metrics
     if not cfg.data.source.startswith("task:"):

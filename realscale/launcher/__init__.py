@@ -17,16 +17,16 @@ job then requeues itself and resumes from that checkpoint.
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import contextlib
+from dataclasses import asdict
+from typing import Any, Iterator
 
-from realscale.launcher.local import (LaunchError, LocalBackend, RankGroup, ServerProc, die_with_parent,
+from realscale.launcher.local import (LocalBackend, RankGroup, ServerProc,
                                       start_servers, stop_servers, wait_healthy)
 from realscale.launcher.spec import clear_stop, request_stop, stop_reason
 
-__all__ = ["LaunchError", "LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop",
-           "die_with_parent", "request_stop", "start_servers", "stop_reason", "stop_servers", "wait_healthy",
-           "advertise_host"]
+__all__ = ["LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "request_stop",
+           "served", "start_servers", "stop_reason", "stop_servers", "wait_healthy"]
 
 
 def backend_for(cfg: Any, out_dir: str) -> Any:
@@ -41,7 +41,14 @@ def backend_for(cfg: Any, out_dir: str) -> Any:
     return LocalBackend(cfg, out_dir)
 
 
-def advertise_host() -> str:
-    """The address rank 0 offers to generation servers for the weight-update group:
-    loopback on one machine, this node's host name when the job spans nodes."""
-    return os.environ.get("REALSCALE_ADVERTISE_HOST", "127.0.0.1")
+
+@contextlib.contextmanager
+def served(cfg: Any, model_dir: str, out_dir: str) -> Iterator[list[str]]:
+    """Generation servers of ``model_dir`` for an evaluation (``generate.num_servers``,
+    started by the run's backend); their URLs while the block runs, stopped after it."""
+    backend = backend_for(cfg, out_dir)
+    backend.prepare()
+    try:
+        yield backend.start_servers(model_dir, asdict(cfg))
+    finally:
+        backend.stop()

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
+from realscale.parallel.net import free_port
+
 
 class DistEnvError(RuntimeError):
     """The environment does not say who this rank is, or says it inconsistently."""
@@ -176,12 +178,6 @@ def job_key(env: Mapping[str, str]) -> str:
 # ----------------------------------------------------------------------------- rendezvous
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # free on every interface of this node, where the other ranks reach it
-        return int(sock.getsockname()[1])
-
-
 def rendezvous(denv: DistEnv, path: str, timeout: float = 300.0) -> DistEnv:
     """``denv`` with master address and port filled in.
 
@@ -193,7 +189,7 @@ def rendezvous(denv: DistEnv, path: str, timeout: float = 300.0) -> DistEnv:
         return denv
     if denv.world_size == 1:
         return DistEnv(**{**denv.__dict__, "master_addr": denv.master_addr or "127.0.0.1",
-                          "master_port": denv.master_port or _free_port()})
+                          "master_port": denv.master_port or free_port("")})
     if denv.source in ("openmpi", "pmi"):
         try:
             from mpi4py import MPI  # optional: without it the file below is used
@@ -202,12 +198,12 @@ def rendezvous(denv: DistEnv, path: str, timeout: float = 300.0) -> DistEnv:
         if MPI is not None:
             mine = None
             if denv.rank == 0:
-                mine = (denv.master_addr or socket.gethostname(), denv.master_port or _free_port())
+                mine = (denv.master_addr or socket.gethostname(), denv.master_port or free_port(""))
             addr, port = MPI.COMM_WORLD.bcast(mine, root=0)
             return DistEnv(**{**denv.__dict__, "master_addr": addr, "master_port": port})
     if denv.rank == 0:
         addr = denv.master_addr or socket.gethostname()
-        port = denv.master_port or _free_port()
+        port = denv.master_port or free_port("")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as fh:

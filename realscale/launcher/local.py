@@ -18,25 +18,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from realscale.parallel.spawn import free_port
-
-
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies, so that even a
-    SIGKILLed supervisor leaves no generation server or trainer rank behind."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-class LaunchError(RuntimeError):
-    """A process of the run failed or never became ready."""
+from realscale.errors import LaunchError
+from realscale.parallel.net import free_port
+from realscale.parallel.spawn import die_with_parent
 
 
 @dataclass
@@ -85,11 +69,11 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
 
 def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0, dtype: str = "float32",
                        timeout: float = 900.0) -> list[ServerProc]:
-    """``gen.num_servers`` vLLM servers (:mod:`realscale.generate.vllm_server`), each on a
+    """``gen.num_servers`` vLLM servers (:mod:`realscale.inference.vllm_server`), each on a
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
     every one answers /health within ``timeout`` seconds, else a one-line
     :class:`LaunchError` naming the failed server's log."""
-    from realscale.generate.vllm_server import check_model, require_vllm
+    from realscale.inference.vllm_server import check_model, require_vllm
 
     try:
         require_vllm()
@@ -113,7 +97,7 @@ def spawn_vllm_server(model_dir: str, gen: Any, log_path: str, *, seed: int = 0,
     """Start one vLLM server process (not waiting for it). Dies with this process — with
     the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
     the server."""
-    from realscale.generate.vllm_server import vllm_command, vllm_env
+    from realscale.inference.vllm_server import vllm_command, vllm_env
 
     port = free_port(gen.host)
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process

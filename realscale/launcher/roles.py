@@ -21,13 +21,7 @@ from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 from realscale.parallel.device import cuda_usable
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address other nodes reach a socket bound to ``bind_host`` on."""
-    if bind_host in ("0.0.0.0", "", "::"):
-        return socket.gethostname()
-    return bind_host
+from realscale.parallel.net import advertised_host
 
 
 def _threads(denv: DistEnv) -> int:
@@ -77,7 +71,7 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
         return _exec_vllm(spec, gen, index, seed)
     import torch
 
-    from realscale.generate.server import EmbeddedServer, serve
+    from realscale.serve.server import EmbeddedServer, serve
 
     tp = int(gen.get("tp", 1))  # ranks of this server: this task's process and tp - 1 it spawns
     threads = max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")) // tp)
@@ -106,7 +100,7 @@ def _publish(url_dir: str, index: int, url: str) -> None:
 def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
     """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
     free on this node now (a small race with other processes of the node)."""
-    from realscale.generate.sglang_launcher import check_sglang_version, sglang_command
+    from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
     from realscale.launcher.dist_env import _free_port
 
     check_sglang_version()
@@ -127,7 +121,7 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     import torch
 
     from realscale.config import GenerateConfig
-    from realscale.generate.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+    from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
     from realscale.launcher.dist_env import _free_port
 
     require_vllm()

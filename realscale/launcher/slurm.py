@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from realscale.launcher.dist_env import slurm_hostnames
-from realscale.launcher.local import LaunchError
+from realscale.errors import LaunchError
 from realscale.launcher.spec import RunSpec, launch_dir, spec_path
 
 

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from realscale.config import Config, config_from_dict, run_dir, save_config
 from realscale.eval import evaluate_heldout
-from realscale.launcher import LaunchError, backend_for, clear_stop, request_stop, stop_reason
+from realscale.errors import LaunchError
+from realscale.launcher import backend_for, clear_stop, request_stop, served, stop_reason
 from realscale.metrics import plot_run, summary_text
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
@@ -54,7 +55,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     os.makedirs(out_dir, exist_ok=True)
     try:
         if cfg.generate.backend == "sglang":  # refuse an unsupported SGLang before anything starts
-            from realscale.generate.sglang_launcher import check_sglang_version
+            from realscale.inference.sglang_launcher import check_sglang_version
 
             check_sglang_version()
         backend = backend_for(cfg, out_dir)
@@ -78,7 +79,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
         with open(start_path, encoding="utf-8") as fh:
             acc_start = json.load(fh)
     else:
-        acc_start = evaluate_heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
+        acc_start = _heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
         with open(start_path, "w", encoding="utf-8") as fh:
             json.dump(acc_start, fh)
     previous = signal.getsignal(signal.SIGTERM)
@@ -86,7 +87,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     code = 0
     try:
         if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
-            # colocated: the trainer ranks generate themselves (realscale/generate/colocated.py)
+            # colocated: the trainer ranks generate themselves (realscale/serve/colocated.py)
             urls = [] if cfg.parallel.mode == "colocated" else backend.start_servers(model_dir, asdict(cfg))
             backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
             code = backend.wait()
@@ -168,7 +169,15 @@ def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, floa
 
     run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
                     prepare_policy_model(cfg, out_dir), timeout=1200)
-    return evaluate_heldout(cfg, final_dir, os.path.join(out_dir, "eval_final"))
+    return _heldout(cfg, final_dir, os.path.join(out_dir, "eval_final"))
+
+
+def _heldout(cfg: Config, model_dir: str, out_dir: str) -> dict[str, float] | None:
+    """The held-out evaluation; a benchmark (``eval.data``) samples from servers started for it."""
+    if not cfg.eval.data:
+        return evaluate_heldout(cfg, model_dir, out_dir)
+    with served(cfg, model_dir, out_dir) as urls:
+        return evaluate_heldout(cfg, model_dir, out_dir, urls)
 
 
 def _export_final(cfg_dict: dict[str, Any], ckpt: str, final_dir: str, model_dir: str) -> None:

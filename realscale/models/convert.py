@@ -6,7 +6,7 @@ process ever holds the whole model. Export (:func:`export_hf_weights`): each par
 all-gathered over its TP group, sent from its pipeline stage to global rank 0, turned
 back into HF tensors (QKV split per query group, gate/up split, vocabulary padding
 stripped) and yielded there in buckets of a configurable size — the stream the
-generation servers consume (:mod:`realscale.generate.weight_sync`).
+generation servers consume (:mod:`realscale.inference.weight_sync`).
 
 Megatron layouts handled here (megatron-core 0.16 GPT, local or TE spec):
 

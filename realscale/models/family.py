@@ -11,39 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-_REGISTRY: dict[str, "Family"] = {}
-
-
-@dataclass(frozen=True)
-class Family:
-    """What distinguishes one decoder family from the common Llama-style decoder."""
-
-    name: str
-    model_types: tuple[str, ...]
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def register(family: Family) -> Family:
-    for model_type in family.model_types:
-        _REGISTRY[model_type] = family
-    return family
-
+from realscale.models import llama, qwen2, qwen3  # noqa: F401 - each registers its family
+from realscale.models.registry import _REGISTRY, Family, register  # noqa: F401 - Family and register are the families' API
 
 def family_of(model_type: str) -> Family:
-    _load_builtin()
     if model_type not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
         raise ValueError(f"model_type '{model_type}' is not supported; known families: {known}")
     return _REGISTRY[model_type]
-
-
-def _load_builtin() -> None:
-    from realscale.models import llama, qwen2, qwen3  # noqa: F401 - registration side effect
 
 
 @dataclass(frozen=True)

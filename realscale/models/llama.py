@@ -1,5 +1,5 @@
 """Llama (2, 3, 3.1 RoPE scaling) and Llama-architecture models such as SmolLM2."""
 
-from realscale.models.family import Family, register
+from realscale.models.registry import Family, register
 
 LLAMA = register(Family(name="llama", model_types=("llama",)))

@@ -29,6 +29,7 @@ import tempfile
 from typing import Any
 
 from realscale.errors import UserError
+from realscale.models.cache import build_atomically, cache_root
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -161,12 +162,6 @@ def build_tiny_model(out_dir: str, family: str = "qwen2", hidden_size: int = 64,
     return out_dir
 
 
-def cache_root() -> str:
-    """Where built-in models are cached: ``$REALSCALE_CACHE/models`` or ``~/.cache/realscale/models``."""
-    base = os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
-    return os.path.join(base, "models")
-
-
 def builtin_cache_dir(name: str) -> str:
     """The cached directory of built-in model ``name`` in the current build format."""
     return os.path.join(cache_root(), f"{name}.v{_BUILD_FORMAT}")
@@ -182,27 +177,6 @@ def _is_complete(path: str, name: str) -> bool:
         return False
     with open(stamp, encoding="utf-8") as fh:
         return json.load(fh) == _spec_stamp(name)
-
-
-def build_atomically(target: str, build: Any, is_complete: Any) -> str:
-    """Build a cached directory in a temporary sibling and rename it into place, so a
-    crash or a concurrent builder never leaves a half-written ``target``.
-    ``build(tmp_dir)`` writes the files; ``is_complete(path)`` recognises a finished copy."""
-    parent = os.path.dirname(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=parent)
-    try:
-        build(tmp)
-        if os.path.isdir(target) and not is_complete(target):
-            shutil.rmtree(target, ignore_errors=True)  # stale or partial: replace
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_complete(target):  # lost a race to a broken copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -22,7 +22,7 @@ collective); :func:`step_figures` turns them into the step's metrics:
   the generation server, the rollout process or another job;
 - ``perf/batch_bytes`` (sum over ranks of the tensor bytes received),
   ``perf/batch_header_bytes``, ``perf/batch_s`` (the slowest rank's transfer time) from
-  :class:`realscale.parallel.batch_scatter.ScatterStats`.
+  :class:`realscale.train.batch_scatter.ScatterStats`.
 """
 
 from __future__ import annotations

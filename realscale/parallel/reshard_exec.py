@@ -17,7 +17,7 @@ messages to several are a ``broadcast`` on a sub-group made once per distinct
 Which process group: a :class:`Comm`. By default (:class:`DefaultComm`) torch's default
 group, whose sub-groups come from ``new_group`` (collective: every rank of the default
 group must build the :class:`Resharder`); in the running system the weight world
-(:class:`realscale.parallel.weight_world.StoreGroup`: trainer and server ranks in a group
+(:class:`realscale.publish.weight_world.StoreGroup`: trainer and server ranks in a group
 built from a store, sub-groups made by their members only). Buffers live where the
 group's backend needs them (:func:`realscale.parallel.device.comm_device`): on GPUs every
 byte goes device to device, with no host staging.

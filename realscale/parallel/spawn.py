@@ -9,12 +9,16 @@ and every other rank is killed: no orphans, no hung test.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
-import socket
+import signal
+import sys
 import time
 import traceback
 from typing import Any, Callable
+
+from realscale.parallel import net
 
 
 # How long a rank's failure waits for news of a peer's death that caused it.
@@ -25,11 +29,16 @@ class DistributedError(RuntimeError):
     """A rank failed; the message holds its traceback."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, so that even a
+    SIGKILLed supervisor leaves no generation server or trainer rank behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, env: dict[str, str],
@@ -63,7 +72,7 @@ class DistributedJob:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        port = free_port()
+        port = net.free_port()
         self.world_size = world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []

@@ -8,6 +8,8 @@ places every role the runtime runs:
   server; its pp must be 1);
 - ``critic_train`` (PPO with GAE) trains beside the actor (same ranks, same layout), so a
   plan that puts it elsewhere is refused rather than silently ignored;
+- ``actor_train``'s recomputation -> ``train.recompute`` when that is ``auto`` (the plan's
+  memory holds only with it; without a plan ``auto`` is none);
 - the plan's ``mode`` -> ``parallel.mode``; a colocated plan runs synchronously, so it
   also sets ``rollout.max_staleness`` to 0 (saying so when the recipe had another value).
 
@@ -60,10 +62,14 @@ def apply_plan(cfg: "Config") -> "Config":
         if cfg.parallel.sequence_parallel and s.tp == 1:
             cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
         cfg.parallel.mode = plan.mode
+        if cfg.train.recompute == "auto":
+            cfg.train.recompute = plan.roles["actor_train"].recompute
         if plan.mode == "colocated" and cfg.rollout.max_staleness:
             print(f"realscale: colocated plan {cfg.parallel.plan}: generation and training take turns, so the run "
                   f"is synchronous (rollout.max_staleness {cfg.rollout.max_staleness} -> 0)", flush=True)
             cfg.rollout.max_staleness = 0
+    elif cfg.train.recompute == "auto":
+        cfg.train.recompute = "none"
     if cfg.parallel.mode == "colocated":
         where = f"parallel.plan {cfg.parallel.plan}: a colocated plan" if cfg.parallel.plan else "parallel.mode=colocated"
         check_colocated(cfg, where)

@@ -8,7 +8,7 @@ as on DGX/HGX nodes) across nodes. A user adds or overrides profiles in YAML::
     my-gpu: {peak_tflops: 500, hbm_gb: 96, hbm_tbps: 4.0, nvlink_gbps: 450, ib_gbps: 50}
 
 Every constant carries a :class:`Source`: ``published`` (a datasheet or paper, named),
-``measured`` (on this machine, by :mod:`realscale.planner.calibrate`), ``fitted``
+``measured`` (on this machine, by :mod:`realscale.launcher.calibrate`), ``fitted``
 (least-squares fit to named figures) or ``assumed`` (a typical value, with why).
 :class:`HardwareProfile` bundles a :class:`GPU`, an :class:`Efficiency` and those sources,
 and is what ``realscale profile`` writes and ``realscale plan --profile`` /

@@ -8,7 +8,7 @@ Two modes:
   generation layout, plus offloading/reloading optimizer state when the training mesh is
   shared. Generation pays the long tail (``gen_len`` steps per wave). The actor generates
   and trains on every GPU of the cluster (each trainer rank is one generation rank: the
-  runtime's colocated mode, :mod:`realscale.generate.colocated`); the other roles are
+  runtime's colocated mode, :mod:`realscale.serve.colocated`); the other roles are
   placed freely.
 - ``disaggregated`` (AReaL, arXiv 2505.24298): generation on its own GPUs, training roles on
   the rest. With staleness bound eta >= 1, generation and training overlap:

@@ -5,7 +5,7 @@ tp, pp) strategy. The runtime runs two roles, ``actor_train`` (the Megatron trai
 and ``actor_gen`` (``dp`` generation replicas of ``tp`` ranks each), in either mode:
 disaggregated (AReaL: the replicas are generation servers on devices of their own) or
 colocated (ReaL: the trainer ranks themselves generate between updates,
-:mod:`realscale.generate.colocated`). :func:`check_plan` refuses, in one line naming what
+:mod:`realscale.serve.colocated`). :func:`check_plan` refuses, in one line naming what
 is wrong:
 
 - a role the runtime does not place yet (roles other than the actor's, the critic's and

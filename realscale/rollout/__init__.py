@@ -3,7 +3,7 @@
 from realscale.rollout.controller import RolloutController, RolloutError, RolloutExhausted
 from realscale.rollout.rewards import call_reward, reward_fn_for, routed_reward
 from realscale.rollout.staleness import StalenessManager
-from realscale.rollout.types import Group, Trajectory
+from realscale.data.groups import Group, Trajectory
 from realscale.rollout.workflows import (CalculatorEnv, EnvStep, MultiTurnWorkflow, SingleTurnWorkflow, Workflow,
                                          sampling_params_from_config, workflow_from_config)
 

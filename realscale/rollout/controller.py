@@ -1,7 +1,7 @@
 """The rollout controller: keeps generation busy within the staleness bound.
 
 The trainer is synchronous; the controller runs its own asyncio loop in a background
-thread. That loop owns the :class:`~realscale.generate.client.InferenceClient` and keeps
+thread. That loop owns the :class:`~realscale.inference.client.InferenceClient` and keeps
 up to ``StalenessManager.capacity(version)`` prompts in flight, one
 ``workflow.run_episode`` task per prompt. A finished group goes through the filters and
 into a FIFO buffer; :meth:`RolloutController.get_batch` hands the oldest accepted groups
@@ -57,9 +57,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptSample
-from realscale.generate.client import dialect_for
+from realscale.inference.client import dialect_for
 from realscale.rollout.staleness import StalenessManager
-from realscale.rollout.types import Group
+from realscale.data.groups import Group
 from realscale.rollout.workflows import Workflow
 
 if TYPE_CHECKING:
@@ -565,7 +565,7 @@ def _client_factory(client: Callable[[], Any] | Sequence[str], kwargs: dict[str,
         raise ValueError("RolloutController: no server URLs")
 
     def make() -> Any:
-        from realscale.generate.client import InferenceClient
+        from realscale.inference.client import InferenceClient
 
         return InferenceClient(urls, **kwargs)
 

@@ -18,7 +18,7 @@ rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
 :class:`LocalRollouts` is the same interface around a controller on a thread of this
 process (``rollout.controller_process=false``: the former arrangement, kept to measure
 what the process saves, and for debugging). Server control does not go through the
-controller: :class:`realscale.generate.publish.ServerControl` keeps its own client in
+controller: :class:`realscale.publish.control.ServerControl` keeps its own client in
 rank 0 for pauses and weight updates, and tells the controller which servers a weight
 update retired (``retire``) so that generation stops using them.
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from realscale.config import AlgoConfig, Config
     from realscale.rollout.controller import RolloutController
-    from realscale.rollout.types import Group
+    from realscale.data.groups import Group
     from realscale.train.batch import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> Roll
 def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int) -> list["Group"]:
     """``num_groups`` groups from the controller, waiting at most the batch limit that
     follows from the recipe's generation length and the measured decode rate (none while
-    the request limit is none; realscale/generate/timeouts.py). The limit is re-read while
+    the request limit is none; realscale/inference/timeouts.py). The limit is re-read while
     waiting, as rates get measured."""
     r, g = cfg.rollout, cfg.generate
     start = time.monotonic()
@@ -265,7 +265,7 @@ def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_di
 def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str,
            state: dict[str, Any] | None) -> None:
     """The child: build and start the controller, then answer rank 0 until stop or EOF."""
-    from realscale.launcher.local import die_with_parent
+    from realscale.parallel.spawn import die_with_parent
 
     die_with_parent()
     import torch

@@ -22,9 +22,10 @@ from typing import Any, Callable, Protocol
 
 from realscale._pyast import parse
 from realscale.data.dataset import PromptSample
+from realscale.data.groups import Trajectory
+from realscale.data.tokens import observation_ids, prompt_ids
 from realscale.reward.result import OK, RewardResult
 from realscale.rollout.rewards import RewardFn, as_result, call_reward, routed_reward
-from realscale.rollout.types import Trajectory
 
 UNKNOWN_VERSION = -1  # a server reported a non-numeric weight version
 
@@ -50,22 +51,6 @@ def _versions(raw: list[Any]) -> list[int]:
 
 def _finish_type(reason: Any) -> str:
     return str(reason.get("type", "")) if isinstance(reason, dict) else str(reason or "")
-
-
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as a user turn in the tokenizer's chat template, ready for the answer."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def observation_ids(tokenizer: Any, observation: str) -> list[int]:
-    """Tokens an environment's observation adds after a model turn: a ``tool`` message in
-    the chat template, then the generation prompt of the next answer (the multi-turn
-    workflow's layout; SFT demonstrations of tool use are built the same way)."""
-    text = tokenizer.apply_chat_template([{"role": "tool", "content": observation}], tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer.encode("\n" + text, add_special_tokens=False))
 
 
 def sampling_params_from_config(gen_cfg: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 - :mod:`realscale.sim.build`: a simulation from a recipe, a plan or a published layout, with
   step times from the planner's cost model (:mod:`realscale.planner.cost`) and a hardware
   profile (:mod:`realscale.planner.hardware`; CPU profiles measured by
-  :mod:`realscale.planner.calibrate`);
+  :mod:`realscale.launcher.calibrate`);
 - :mod:`realscale.sim.transfer`: the weight-sync and batch-path terms (link model or
   assumed, or measured: the resharder's and the batch scatter's benchmark results);
 - :mod:`realscale.sim.recipe`: a scenario from a recipe (and a plan);

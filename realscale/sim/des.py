@@ -9,7 +9,7 @@ What is simulated, event by event (times in seconds):
   profile fitted to measured steps) as a function of the batch size and the mean context
   (paged attention: SGLang, vLLM), or the longest context in the batch for a server whose
   attention runs over the batch padded to its longest row (``padded``: realscale's
-  embedded server, ``realscale/generate/decoder.py``).
+  embedded server, ``realscale/serve/decoder.py``).
   A server with a KV-cache budget admits only what fits and retracts its newest request
   when the running ones outgrow it (SGLang's behaviour).
   Between events a server advances many steps at once: with the batch fixed, the step

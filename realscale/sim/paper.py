@@ -187,7 +187,7 @@ def calibrate(gpu: str = "H800", iters: int = 150, sample: float = 0.25, max_eva
     ``start``; every simulation has a fixed seed, so the search is deterministic).
     ``max_evals`` (> 0) stops it after that many distinct evaluations and keeps the best
     point seen."""
-    from realscale.planner.calibrate import nelder_mead
+    from realscale.launcher.calibrate import nelder_mead
 
     base = builtin_profile(gpu)
     x0 = np.array(start, np.float64)

@@ -55,7 +55,7 @@ def task_prompt_len(cfg: Any) -> int:
     from transformers import AutoTokenizer
 
     from realscale.models.tiny import resolve_model_path
-    from realscale.rollout.workflows import prompt_ids
+    from realscale.data.tokens import prompt_ids
     from realscale.tasks.arith import task_from_config
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))

@@ -68,8 +68,8 @@ class LinkCost:
 
 
 def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of ``y = a + b x``: :func:`realscale.planner.calibrate.robust_line`."""
-    from realscale.planner.calibrate import robust_line as fit
+    """(intercept, slope) of ``y = a + b x``: :func:`realscale.launcher.calibrate.robust_line`."""
+    from realscale.launcher.calibrate import robust_line as fit
 
     try:
         return fit(points)

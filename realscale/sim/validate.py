@@ -11,7 +11,7 @@ Two measured numbers are predicted, with a CPU profile measured by ``realscale p
 
 The timings come from the profile (decode steps, per-request costs, train steps, weight
 sync, the rollout side's CPU per request: each measured alone, in CPU time, see
-:mod:`realscale.planner.calibrate`); for these CPU recipes the simulator also makes the roles
+:mod:`realscale.launcher.calibrate`); for these CPU recipes the simulator also makes the roles
 share the host's cores, decodes over the batch padded to its longest context (the embedded
 server's attention) and charges an abort pause per interrupted request
 (:mod:`realscale.sim.des`). Result (BENCHMARKS.md): both within ±20% (the default recipe's

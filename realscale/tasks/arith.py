@@ -158,7 +158,7 @@ def resolve_task_source(source: str, task: Any, out_dir: str, split: str = "trai
 
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """The prompt as the RL workflow sends it (one definition: the workflow's)."""
-    from realscale.rollout.workflows import prompt_ids as workflow_prompt_ids
+    from realscale.data.tokens import prompt_ids as workflow_prompt_ids
 
     return workflow_prompt_ids(tokenizer, prompt)
 
@@ -186,7 +186,7 @@ def encode_tool_example(tokenizer: Any, problem: Any, use_tool: bool = True) -> 
     ``<calc>47+38</calc>``, the tool answers ``<result>85</result>`` (mask 0), the model
     answers ``<answer>85</answer>``; without: the model answers at once. Every model
     turn ends with EOS, as the servers return it."""
-    from realscale.rollout.workflows import observation_ids
+    from realscale.data.tokens import observation_ids
 
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; the answer could never end")

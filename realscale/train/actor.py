@@ -29,8 +29,8 @@ from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
-    from realscale.parallel.batch_scatter import StageNeeds
-    from realscale.rollout.types import Group
+    from realscale.train.batch_scatter import StageNeeds
+    from realscale.data.groups import Group
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
     from realscale.train.reference import ReferenceEngine
@@ -98,7 +98,7 @@ def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
 
 def split_for_dp(batch: PackedBatch, num_mini_batches: int, dp: int) -> list[list[PackedBatch]]:
     """The driver's split of a step's batch: ``out[d][m]`` is DP rank ``d``'s share of
-    mini-batch ``m`` (what :class:`realscale.parallel.batch_scatter.BatchScatter` delivers)."""
+    mini-batch ``m`` (what :class:`realscale.train.batch_scatter.BatchScatter` delivers)."""
     parts = mini_batches(batch, num_mini_batches)
     if any(p.num_seqs < dp for p in parts):
         raise ValueError(f"a mini-batch has fewer sequences than dp={dp}: raise rollout.batch_size or lower "
@@ -115,7 +115,7 @@ def share_for_rank(batch: PackedBatch, dp: int, dp_rank: int) -> PackedBatch:
 
 def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
     """Rank ``src``'s whole batch on every trainer rank, pickled (``broadcast_object_list``).
-    The path :class:`~realscale.parallel.batch_scatter.BatchScatter` replaced in the RL
+    The path :class:`~realscale.train.batch_scatter.BatchScatter` replaced in the RL
     loop; tests and ``benchmarks/bench_batch_transfer.py`` compare with it."""
     import torch.distributed as dist
 
@@ -145,7 +145,7 @@ def stage_needs(algo: "AlgoConfig") -> "StageNeeds":
 
     Proximal and reference log-probs and the critic's values are computed on every rank,
     never sent; the token versions stay on the driver (nothing in the update reads them)."""
-    from realscale.parallel.batch_scatter import StageNeeds
+    from realscale.train.batch_scatter import StageNeeds
 
     every = ["loss_mask"]
     last = ["input_ids", *LOSS_FIELDS]

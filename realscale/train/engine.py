@@ -94,16 +94,15 @@ class EngineConfig:
 
 
 def resolve_recompute(cfg: Any) -> str:
-    """``train.recompute``, with ``auto`` resolved: the recomputation ``parallel.plan``'s
-    actor_train role was planned with (its memory holds only with it), else none."""
+    """``train.recompute``. ``auto`` is resolved before any process starts, by
+    :func:`realscale.planner.apply.apply_plan` (to the recomputation ``parallel.plan``'s
+    actor_train role was planned with); without a plan it means none."""
     if cfg.train.recompute != "auto":
         return cfg.train.recompute
-    if not cfg.parallel.plan:
-        return "none"
-    from realscale.planner.apply import load_plan
-
-    train = load_plan(cfg).roles.get("actor_train")
-    return train.recompute if train is not None else "none"
+    if cfg.parallel.plan:
+        raise RuntimeError(f"train.recompute=auto with parallel.plan={cfg.parallel.plan} reached the engine "
+                           "unresolved: realscale.planner.apply.apply_plan resolves it before the ranks start")
+    return "none"
 
 
 def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:

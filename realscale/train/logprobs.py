@@ -1,7 +1,7 @@
 """Per-token log-probs (and entropy) of given tokens, vocab-parallel and in token chunks.
 
 The trainer recomputes proximal / current log-probs of packed, unpadded sequences with the
-generation server's convention (:data:`realscale.generate.sampling.LOGPROB_CONVENTION`):
+generation server's convention (:data:`realscale.algo.sampling.LOGPROB_CONVENTION`):
 
     logprob(token) = log_softmax(logits / T)[token]   over the true vocabulary, in fp32
 
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from realscale.generate.sampling import token_logprobs
+from realscale.algo.sampling import token_logprobs
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps the import lazy and None allowed
 
@@ -384,7 +384,7 @@ def reference_logprobs(logits_shard: Tensor, targets: Tensor, *, temperature: fl
                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """The straightforward way, for tests and benchmarks: all-gather the full ``[T, V]`` logits
     over the TP group, drop the padding, and apply the sampling module's
-    :func:`~realscale.generate.sampling.token_logprobs`; entropy ``-sum p log p``.
+    :func:`~realscale.algo.sampling.token_logprobs`; entropy ``-sum p log p``.
     Differentiable only without TP (the gather is not)."""
     full = logits_shard
     _, world = _group_rank_world(tp_group)

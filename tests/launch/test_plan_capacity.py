@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from realscale.config import load_config
-from realscale.launcher import LaunchError
+from realscale.errors import LaunchError
 from realscale.launcher.slurm import placement
 from realscale.planner.apply import apply_plan
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from realscale.config import ConfigError, load_config
-from realscale.launcher import LaunchError, backend_for
+from realscale.errors import LaunchError
+from realscale.launcher import backend_for
 from realscale.launcher.dist_env import expand_hostlist
 from realscale.launcher.local import LocalBackend
 from realscale.launcher.render import plan_for

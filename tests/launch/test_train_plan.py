@@ -54,10 +54,10 @@ def test_a_plan_runs_end_to_end_with_shard_to_shard_weight_sync(tmp_path: Path) 
 def _two_rank_server_bytes() -> int:
     import torch
 
-    from realscale.generate.weights import model_spec, read_hf_config
+    from realscale.serve.weights import model_spec, read_hf_config
     from realscale.models.tiny import resolve_model_path
     from realscale.parallel.reshard import shard_index
-    from realscale.parallel.weight_world import WorldSpec
+    from realscale.publish.weight_world import WorldSpec
 
     spec, _ = model_spec(read_hf_config(resolve_model_path("tiny-qwen2")), 1, torch.float32)
     _, dst = WorldSpec("127.0.0.1", 1, "w", "gloo", "d1t2p1", [2]).layouts()

@@ -92,8 +92,8 @@ def test_untrained_model_samples_a_real_distribution(tmp_path, monkeypatch, name
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from realscale.generate.engine import Request, SamplingOptions
-    from realscale.generate.server import EmbeddedServer
+    from realscale.serve.engine import Request, SamplingOptions
+    from realscale.serve.server import EmbeddedServer
 
     monkeypatch.setenv("REALSCALE_CACHE", str(tmp_path))
     path = tiny.resolve_model_path(name)

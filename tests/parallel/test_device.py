@@ -44,7 +44,7 @@ def test_server_gpus_follow_the_trainers() -> None:
 
 
 def test_senders_and_resharder_put_their_buffers_where_the_helper_says() -> None:
-    from realscale.generate.weight_sync import WeightSender
+    from realscale.inference.weight_sync import WeightSender
 
     assert WeightSender("127.0.0.1", 1, 2, backend="gloo").device == comm_device("gloo")
 

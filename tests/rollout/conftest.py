@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture(scope="package")
 def _server():
-    from realscale.generate.server import EmbeddedServer, start_in_thread
+    from realscale.serve.server import EmbeddedServer, start_in_thread
 
     server = EmbeddedServer("tiny-qwen2", max_running=32, context_length=512)
     url, stop = start_in_thread(server)
@@ -23,7 +23,7 @@ def _server():
 @pytest.fixture()
 def server(_server):
     """(url, EmbeddedServer), reset to weight version 0 (tests move the version on)."""
-    from realscale.generate.client import InferenceClient
+    from realscale.inference.client import InferenceClient
 
     url, srv = _server
 

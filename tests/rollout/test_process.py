@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from realscale.config import load_config
-from realscale.generate.publish import ServerControl, ServerEndpoint
+from realscale.publish.control import ServerControl, ServerEndpoint
 from realscale.rollout.controller import RolloutError, client_factory
 from realscale.rollout.process import ControllerProcess, LocalRollouts, start_rollouts
 

@@ -10,11 +10,11 @@ import torch
 
 from realscale.config import RewardConfig
 from realscale.data.dataset import PromptDataset, PromptSample
-from realscale.generate.client import InferenceClient
+from realscale.inference.client import InferenceClient
 from realscale.reward.result import RewardResult
 from realscale.rollout.rewards import call_reward, close_reward_pools, gym_answer, reward_fn_for
-from realscale.rollout.workflows import (CalculatorEnv, MultiTurnWorkflow, SingleTurnWorkflow, prompt_ids,
-                                         safe_eval)
+from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow, SingleTurnWorkflow, safe_eval
+from realscale.data.tokens import prompt_ids
 
 SAMPLE = PromptSample(prompt="What is 2 + 3?", answer="5", uid="t:1")
 PARAMS = {"max_new_tokens": 8, "temperature": 1.0}
@@ -138,7 +138,7 @@ def test_multi_turn_loss_mask_and_context(server, tokenizer) -> None:
     obs = wf.observation_ids(CalculatorEnv.REMINDER)
     from transformers import AutoModelForCausalLM
 
-    from realscale.generate.sampling import token_logprobs
+    from realscale.algo.sampling import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(srv.model_path).eval()
     for t in group:

@@ -28,7 +28,7 @@ def _tokenizer():
 
 def test_response_only_mask_for_pairs_and_chats() -> None:
     from realscale.data.sft_data import encode_messages, encode_pair
-    from realscale.rollout.workflows import prompt_ids
+    from realscale.data.tokens import prompt_ids
 
     tok = _tokenizer()
     ids, mask = encode_pair(tok, "What is 2+2?", "2+2 is \\boxed{4}.")

@@ -134,7 +134,7 @@ def test_tool_demonstration_is_laid_out_as_the_multi_turn_workflow_lays_out_an_e
     from transformers import AutoTokenizer
 
     from realscale.data.dataset import PromptSample
-    from realscale.generate.client import GenerateResult
+    from realscale.inference.client import GenerateResult
     from realscale.models.tiny import build_tiny_model
     from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow
     from realscale.tasks.arith import encode_tool_example

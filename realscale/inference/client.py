@@ -1,0 +1,533 @@
+"""The inference client: one async client for SGLang servers and the embedded server.
+
+- pooled aiohttp connections, per-request timeouts, retries with exponential back-off;
+- least-load routing: each request goes to the healthy server with the fewest requests
+  this client has in flight there;
+- a server that refuses connections or times out is taken out of rotation, its requests
+  are re-sent elsewhere, and a background health check brings it back when ``/health``
+  answers again;
+- :meth:`InferenceClient.generate` handles interruption itself: a response with
+  ``finish_reason.type == "abort"`` (a pause for a weight update) is resubmitted as
+  prompt + partial output with the remaining token budget, and tokens, log-probs and
+  per-token policy versions are stitched into one :class:`GenerateResult`;
+- a generation past its time limit (:class:`realscale.inference.timeouts.RequestTimeouts`:
+  from the token budget and the measured decode rate, or fixed, or none) is aborted on
+  its server (``/abort_request`` with its rid); the server answers it with the partial
+  output, which is kept, and the rest is resent like an interruption (to another server
+  when there is one). Control calls (pause, weight loads, health) keep a fixed limit.
+
+What differs between server APIs (request and reply shapes, the pause and disk-load
+calls) is a :class:`~realscale.inference.dialect.Dialect`: SGLang's (also the embedded server's),
+vLLM's in :mod:`realscale.inference.vllm_dialect`; :func:`dialect_for` picks one by
+``generate.backend``. Routing, retries, retirement and stitching are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from typing import Any, Iterable
+
+import aiohttp
+
+from realscale.inference.dialect import Dialect, Segment, parse_version
+from realscale.inference.timeouts import RequestTimeouts
+from realscale.inference.vllm_dialect import VllmDialect
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error (HTTP 4xx/5xx) that retrying will not fix."""
+
+
+class NoServerError(RuntimeError):
+    """Every server is out of rotation."""
+
+
+CONTROL_TIMEOUT_S = 600.0  # pause / resume / weight loads / health: not generation
+ABORT_GRACE_S = 60.0  # how long a server that was told to abort a request may take to answer it
+WATCH_S = 5.0  # how often a running generation re-checks its limit (the limit moves as rates are measured)
+_NO_LIMIT = -1.0
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """A finished generation, stitched across interruptions."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[Any]  # the policy version that produced each output token
+    finish_reason: dict[str, Any]
+    text: str = ""
+    num_interruptions: int = 0
+    num_resends: int = 0  # re-sent after a server failure
+    latency: float = 0.0
+    num_timeouts: int = 0  # aborted past the time limit (partial output kept, rest resent)
+
+
+def dialect_for(backend: str) -> Dialect:
+    """The dialect of ``generate.backend`` (embedded and sglang: SGLang's)."""
+    return VllmDialect() if backend == "vllm" else Dialect()
+
+
+@dataclasses.dataclass
+class _Server:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = 0
+    ranks: int = 1  # tensor-parallel ranks: each joins the weight-update group
+    # Missed a weight update (did not answer when it was sent): never back in rotation,
+    # because it would serve old weights under a version number it does not have.
+    retired: bool = False
+
+
+class InferenceClient:
+    """Talks to N generation servers (``http://host:port``)."""
+
+    def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 5.0,
+                 max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
+                 max_interruptions: int = 100, pool_size: int = 256, dialect: Dialect | None = None,
+                 timeout_slack: float = 4.0) -> None:
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.dialect = dialect or Dialect()
+        self._pause_mode = "abort"  # of the last pause: the dialect's resume may depend on it
+        if not self.servers:
+            raise ValueError("InferenceClient needs at least one server URL")
+        # generation: 0 auto, -1 none, > 0 fixed (realscale/inference/timeouts.py)
+        self.timeouts = RequestTimeouts(request_timeout, timeout_slack)
+        self.request_timeout = request_timeout if request_timeout > 0 else CONTROL_TIMEOUT_S
+        self.connect_timeout = connect_timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.health_interval = health_interval
+        self.max_interruptions = max_interruptions
+        self.pool_size = pool_size
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self._group_urls: list[str] = []  # members of the weight-update group, in rank order
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "InferenceClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._session is None:
+            conn = aiohttp.TCPConnector(limit=self.pool_size, limit_per_host=self.pool_size)
+            self._session = aiohttp.ClientSession(connector=conn)
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("InferenceClient is not started: use 'async with' or await start()")
+        return self._session
+
+    # ------------------------------------------------------------------ transport
+
+    async def _request(self, server: _Server, method: str, path: str, body: Any = None,
+                       timeout: float | None = None) -> Any:
+        """One HTTP call; connection failures and 5xx raise ``aiohttp.ClientError``/``TimeoutError``."""
+        total = None if timeout == _NO_LIMIT else (timeout or self.request_timeout)
+        t = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout)
+        async with self.session.request(method, server.url + path, json=body, timeout=t) as resp:
+            raw = await resp.read()
+            if resp.status >= 500:
+                raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
+                                                  message=raw.decode(errors="replace")[:200])
+            if resp.status >= 400:
+                raise ServerError(f"{server.url}{path}: HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
+            if not raw:
+                return None
+            try:
+                return await resp.json(content_type=None)
+            except ValueError:
+                return raw.decode(errors="replace")
+
+    def _pick(self, avoid: set[str]) -> _Server:
+        healthy = [s for s in self.servers if s.healthy and s.url not in avoid]
+        if not healthy:
+            healthy = [s for s in self.servers if s.healthy]
+        if not healthy:
+            raise NoServerError(f"no healthy server among {[s.url for s in self.servers]}")
+        least = min(s.in_flight for s in healthy)
+        return random.choice([s for s in healthy if s.in_flight == least])
+
+    def _mark_down(self, server: _Server, exc: BaseException) -> None:
+        if server.healthy:
+            log.warning("server %s taken out of rotation: %r", server.url, exc)
+        server.healthy = False
+        server.failures += 1
+
+    async def _routed(self, path: str, body: Any, avoid: set[str] | None = None,
+                      generation: tuple[str, int] | None = None) -> tuple[Any, int]:
+        """POST to the least-loaded server (not one in ``avoid`` while others are healthy);
+        on failure re-send elsewhere. ``generation`` (rid, token budget) puts the call under
+        the generation time limit. Returns (reply, resends)."""
+        avoid = set(avoid or ())
+        for attempt in range(self.max_retries + 1):
+            try:
+                server = self._pick(avoid)
+            except NoServerError:
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+                continue
+            server.in_flight += 1
+            try:
+                if generation is not None:
+                    return await self._generate_on(server, path, body, *generation), attempt
+                return await self._request(server, "POST", path, body), attempt
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                self._mark_down(server, exc)
+                avoid.add(server.url)
+                await asyncio.sleep(self.backoff * 2 ** attempt * random.uniform(0.5, 1.0))
+            finally:
+                server.in_flight -= 1
+        raise NoServerError(f"{path}: gave up after {self.max_retries + 1} attempts")
+
+    async def _generate_on(self, server: _Server, path: str, body: dict[str, Any], rid: str, budget: int) -> Any:
+        """One generate call under the time limit. Past it, the request is aborted on its
+        server and the server's answer (the partial output, finish reason ``abort``) is
+        returned with ``timed_out`` set to the server's URL. A server that does not answer
+        the abort (or has no such call: vLLM) raises TimeoutError: the connection is
+        dropped, the segment resent from the output kept before it, and the server is out
+        of rotation until its next good /health."""
+        mark = self.timeouts.mark()
+        task = asyncio.ensure_future(self._request(server, "POST", path, body, timeout=_NO_LIMIT))
+        try:
+            while True:
+                limit = self.timeouts.limit(budget)
+                left = WATCH_S if limit is None else min(WATCH_S, limit - self.timeouts.active_since(mark))
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if task in done:
+                    reply = task.result()
+                    self._observe(reply, mark)
+                    return reply
+            log.warning("request %s on %s past its %.0f s limit: aborting it there, keeping its partial output",
+                        rid, server.url, limit)
+            try:
+                for abort_path, abort_body in self.dialect.abort(rid):
+                    await self._request(server, "POST", abort_path, abort_body, timeout=ABORT_GRACE_S)
+            except ServerError as exc:
+                raise asyncio.TimeoutError(f"{server.url} could not abort {rid}: {exc}") from exc
+            reply = await asyncio.wait_for(asyncio.shield(task), ABORT_GRACE_S)
+            self._observe(reply, mark)
+            return {**reply, "timed_out": server.url}
+        finally:
+            if not task.done():
+                # Let the HTTP call finish cancelling now (its connection closes, which ends
+                # the request on the server) rather than after this loop may have stopped.
+                task.cancel()
+                try:
+                    await asyncio.wait({task}, timeout=5)
+                except BaseException:  # noqa: BLE001 - a second cancellation: the first one goes on
+                    pass
+
+    def _observe(self, reply: Any, mark: tuple[float, float]) -> None:
+        """The decode rate of a finished request, for the auto limit."""
+        try:
+            tokens = len(self.dialect.parse_generate(reply).ids)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return  # an unexpected reply shape: the caller reports it; no measurement
+        self.timeouts.observe(tokens, self.timeouts.active_since(mark))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            for server in [s for s in self.servers if not s.healthy and not s.retired]:
+                if await self._probe(server):
+                    log.info("server %s back in rotation", server.url)
+                    server.healthy = True
+
+    async def _probe(self, server: _Server) -> bool:
+        try:
+            await self._request(server, "GET", "/health", timeout=min(5.0, self.request_timeout))
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ServerError):
+            return False
+
+    async def _alive(self, server: _Server) -> bool:
+        """Whether ``server`` is still there. A refused connection (nobody listens on the
+        port) or a 5xx answer, a few times in a row, means it is gone; a slow answer does
+        not: on a loaded machine a live server can take many seconds to answer, and
+        retiring it would cost the run a healthy server, so slow ones are waited for up
+        to ``request_timeout``."""
+        deadline = time.monotonic() + self.request_timeout
+        refusals = 0
+        while True:
+            try:
+                await self._request(server, "GET", "/health", timeout=min(10.0, self.request_timeout))
+                return True
+            except (aiohttp.ClientConnectorError, aiohttp.ClientResponseError, ServerError):
+                refusals += 1
+                if refusals > self.max_retries:
+                    return False
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                if time.monotonic() > deadline:
+                    return False
+            await asyncio.sleep(self.backoff * 2 ** min(refusals, 5))
+
+    async def _update_targets(self) -> list[_Server]:
+        """The servers a weight update goes to: every server not retired that answers /health
+        now (also ones out of rotation after a failed request: they come back with the new
+        weights). One that does not answer is retired for good."""
+        candidates = [s for s in self.servers if not s.retired]
+        alive = await asyncio.gather(*(self._alive(s) for s in candidates))
+        targets = []
+        for server, ok in zip(candidates, alive):
+            if ok:
+                server.healthy = True
+                targets.append(server)
+            else:
+                log.warning("server %s does not answer /health; retired (it misses this weight update)", server.url)
+                server.retired, server.healthy = True, False
+        if not targets:
+            raise NoServerError(f"no generation server answers /health for the weight update: "
+                                f"{[s.url for s in self.servers]}")
+        return targets
+
+    # ------------------------------------------------------------------ API
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
+                       rid: str | None = None) -> GenerateResult:
+        """Generate to completion, resubmitting after pauses; stitched result."""
+        params = dict(sampling_params or {})
+        budget = int(params.get("max_new_tokens", 128))
+        start = time.monotonic()
+        rid = rid or uuid.uuid4().hex
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        out_versions: list[Any] = []
+        interruptions = resends = timeouts = 0
+        avoid: set[str] = set()
+        text = ""
+        while True:
+            params["max_new_tokens"] = budget - len(out_ids)
+            body = self.dialect.generate_body(list(input_ids) + out_ids, params, f"{rid}-{interruptions}-{resends}")
+            reply, tries = await self._routed(self.dialect.generate_path, body, avoid,
+                                              generation=(f"{rid}-{interruptions}-{resends}", budget - len(out_ids)))
+            resends += tries
+            slow = reply.pop("timed_out", None)
+            timeouts += slow is not None
+            avoid = {slow} if slow else set()  # the rest goes elsewhere when another server is healthy
+            seg = self.dialect.parse_generate(reply)
+            text += seg.text
+            out_ids += seg.ids
+            out_lps += seg.logprobs
+            out_versions += seg.versions
+            reason = seg.finish_reason
+            if reason.get("type") != "abort" or len(out_ids) >= budget:
+                break
+            interruptions += 1
+            if interruptions > self.max_interruptions:
+                raise ServerError(f"request {rid} was interrupted {interruptions} times; giving up")
+        if len(out_ids) >= budget and reason.get("type") in ("abort", "length"):
+            reason = {"type": "length", "length": budget}  # the whole budget, not the last segment's
+        return GenerateResult(input_ids=list(input_ids), output_ids=out_ids, output_logprobs=out_lps,
+                              output_versions=out_versions, finish_reason=reason, text=text,
+                              num_interruptions=interruptions, num_resends=resends,
+                              latency=time.monotonic() - start, num_timeouts=timeouts)
+
+    async def _control(self, path: str, body: dict[str, Any]) -> None:
+        """POST to every server in rotation; one that cannot be reached is taken out of
+        rotation (a dead server must not stop the others from pausing or resuming)."""
+        targets = [s for s in self.servers if s.healthy]
+        results = await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets),
+                                       return_exceptions=True)
+        for server, res in zip(targets, results):
+            if isinstance(res, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)):
+                self._mark_down(server, res)
+            elif isinstance(res, BaseException):
+                raise res
+
+    async def pause(self, mode: str = "abort") -> None:
+        self._pause_mode = mode
+        self.timeouts.pause()  # held requests do not run out of time while the servers are paused
+        for path, body in self.dialect.pause(mode):
+            await self._control(path, body)
+
+    async def resume(self) -> None:
+        for path, body in self.dialect.resume(self._pause_mode):
+            await self._control(path, body)
+        self.timeouts.resume()
+
+    async def update_weights_from_disk(self, path: str, weight_version: Any = None,
+                                       flush_cache: bool = True) -> list[Any]:
+        """Every server loads ``path``; ``flush_cache`` as SGLang's field (the pinned SGLang
+        fails the call when it cannot flush because requests still hold KV). The calls are
+        the dialect's (vLLM: ``reload_weights``; its KV follows the pause mode instead)."""
+        calls = self.dialect.load_from_disk(path, weight_version, flush_cache)
+        targets = await self._update_targets()
+
+        async def load(server: _Server) -> Any:
+            reply = None
+            for call_path, body in calls:
+                reply = await self._request(server, "POST", call_path, body)
+            return reply
+
+        return list(await asyncio.gather(*(load(s) for s in targets)))
+
+    async def update_targets(self) -> list[str]:
+        """URLs of the servers the next weight update goes to (module docstring: the dead
+        are retired first)."""
+        return [s.url for s in await self._update_targets()]
+
+    async def post(self, url: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """One control call to the server at ``url`` (weight-transfer handshakes)."""
+        server = next((s for s in self.servers if s.url == url.rstrip("/")), None)
+        if server is None:
+            raise ValueError(f"{url} is not one of this client's servers {[s.url for s in self.servers]}")
+        return await self._request(server, "POST", path, body, timeout=timeout)
+
+    async def _server_ranks(self, servers: list[_Server], ranks: dict[str, int] | None) -> None:
+        """Each server's rank count: from ``ranks`` ({url: ranks}) or its ``/get_server_info``
+        ``tp_size`` (SGLang's key)."""
+        given = {u.rstrip("/"): n for u, n in (ranks or {}).items()}
+        for server in servers:
+            if server.url in given:
+                server.ranks = int(given[server.url])
+            else:
+                info = await self._request(server, "GET", "/get_server_info")
+                server.ranks = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+    async def init_weights_update_group(self, sender: Any, ranks: dict[str, int] | None = None) -> None:
+        """Join every rank of every server to ``sender``'s group while the sender hosts rank 0:
+        server i's tensor-parallel rank r joins at ``rank_offset_i + r``, with rank_offset_0 = 1
+        and each next server after the last rank of the previous one. ``ranks`` = {url: number
+        of ranks}; a server not in it is asked (``/get_server_info``)."""
+        targets = [s for s in self.servers if s.healthy and not s.retired]
+        await self._server_ranks(targets, ranks)
+        world = 1 + sum(s.ranks for s in targets)
+        if sender.world_size != world:
+            raise ValueError(f"sender.world_size={sender.world_size}, but the servers have "
+                             f"{world - 1} ranks + 1 trainer rank")
+        await self._join_group(sender, targets)
+
+    @staticmethod
+    def _rank_offsets(targets: list[_Server]) -> list[int]:
+        offsets, nxt = [], 1
+        for s in targets:
+            offsets.append(nxt)
+            nxt += s.ranks
+        return offsets
+
+    async def _join_group(self, sender: Any, targets: list[_Server]) -> None:
+        loop = asyncio.get_running_loop()
+        posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(offset))
+                 for s, offset in zip(targets, self._rank_offsets(targets))]
+        await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
+        self._group_urls = [s.url for s in targets]
+
+    async def _regroup(self, sender: Any, targets: list[_Server]) -> None:
+        """A member of the weight-update group is gone, and a collective with a dead member
+        never completes: rebuild the group among ``targets`` on a fresh port."""
+        log.warning("weight-update group %s -> %s: rebuilding it", self._group_urls, [s.url for s in targets])
+        for s in targets:
+            try:
+                await self._request(s, "POST", "/destroy_weights_update_group", {"group_name": sender.group_name})
+            except ServerError:
+                pass  # never joined the old group
+        sender.reopen(world_size=1 + sum(s.ranks for s in targets))
+        await self._join_group(sender, targets)
+
+    async def _post_all(self, targets: list[_Server], path: str, body: dict[str, Any]) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))
+
+    async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],
+                             weight_version: Any = None, flush_cache: bool = True) -> int:
+        """Stream ``buckets`` through ``sender`` into every server; returns bytes sent.
+
+        SGLang's session: ``/begin_weight_update``; per bucket ``/update_weights_from_distributed``
+        while the sender broadcasts; ``/end_weight_update`` (also after a failure, so the
+        servers are not left inside a session). The version and the cache flush go with the
+        last bucket only, so no token is tagged with a version whose weights are partly
+        loaded, and the cache is flushed once.
+        """
+        targets = await self._update_targets()
+        if [s.url for s in targets] != self._group_urls:
+            await self._regroup(sender, targets)
+        await self._post_all(targets, "/begin_weight_update", {})
+        try:
+            sent = await self._send_buckets(sender, targets, buckets, weight_version, flush_cache)
+        except BaseException:
+            try:
+                await self._post_all(targets, "/end_weight_update", {})
+            except Exception as exc:  # noqa: BLE001 - the first failure is the one to report
+                log.warning("end_weight_update after a failed update: %r", exc)
+            raise
+        await self._post_all(targets, "/end_weight_update", {})
+        return sent
+
+    async def _send_buckets(self, sender: Any, targets: list[_Server], buckets: Iterable[list[tuple[str, Any]]],
+                            weight_version: Any, flush_cache: bool) -> int:
+        """The buckets of one update session; returns bytes sent."""
+        from realscale.inference.weight_sync import bucket_meta
+
+        loop = asyncio.get_running_loop()
+        it = iter(buckets)
+        bucket = next(it, None)
+        if bucket is None and weight_version is not None:  # nothing to send: only the version moves
+            await self._post_all(targets, "/update_weight_version",
+                                 {"new_version": str(weight_version), "abort_all_requests": False})
+        sent = 0
+        while bucket is not None:
+            following = next(it, None)
+            body: dict[str, Any] = {**bucket_meta(bucket), "group_name": sender.group_name,
+                                    "flush_cache": flush_cache and following is None}
+            if following is None and weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            posts = [self._request(s, "POST", "/update_weights_from_distributed", body) for s in targets]
+            results = await asyncio.gather(loop.run_in_executor(None, sender.broadcast_bucket, bucket), *posts)
+            sent += results[0]
+            bucket = following
+        return sent
+
+    # ------------------------------------------------------------------ weight world (ReshardTransport)
+
+    async def weight_targets(self) -> list[str]:
+        """URLs of the servers a weight update goes to, in server order: every one not
+        retired that answers /health now (one that does not is retired for good)."""
+        return [s.url for s in await self._update_targets()]
+
+    async def post_each(self, path: str, bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """POST ``bodies[url]`` to each of those servers at once; their replies by URL."""
+        by_url = {s.url: s for s in self.servers}
+        unknown = sorted(set(bodies) - set(by_url))
+        if unknown:
+            raise ValueError(f"{path}: not servers of this client: {unknown}")
+        urls = list(bodies)
+        replies = await asyncio.gather(*(self._request(by_url[u], "POST", path, bodies[u]) for u in urls))
+        return dict(zip(urls, replies))
+
+    async def health(self) -> dict[str, bool]:
+        """Probe every server now; updates rotation; returns ``{url: healthy}``."""
+        oks = await asyncio.gather(*(self._probe(s) for s in self.servers))
+        for s, ok in zip(self.servers, oks):
+            s.healthy = ok
+        return {s.url: s.healthy for s in self.servers}

@@ -1,0 +1,60 @@
+"""SGLang's weight-update protocol: a broadcast group from trainer rank 0 to every server rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from realscale.inference.weight_sync import WeightSender
+from realscale.parallel.net import advertise_host, free_port
+from realscale.publish.control import ServerControl
+from realscale.publish.transport import SyncStats, WeightTransport, flush_after_update, sum_over_ranks
+
+if TYPE_CHECKING:
+    from realscale.train.engine import MegatronEngine
+
+
+class BroadcastTransport(WeightTransport):
+    """SGLang's protocol (the pinned version's, see :mod:`realscale.inference.weight_sync`):
+    rank 0 hosts a weight group of 1 + every rank of every server (server i's tp rank r at
+    ``rank_offset_i + r``) and, inside a begin/end update session, broadcasts HF-named full
+    tensors bucket by bucket (gathered from the trainer's shards over TP and down the
+    pipeline first); the version goes with the last bucket."""
+
+    def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights",
+                 pause_mode: str = "abort") -> None:
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.group_name = group_name
+        self.flush_cache = flush_after_update(pause_mode)
+        self.sender: Any = None
+
+    def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
+        if control is None:
+            return
+        from realscale.inference.weight_sync import WeightSender
+        from realscale.parallel.net import advertise_host
+        from realscale.parallel.net import free_port
+
+        ranks = {s.url: s.ranks for s in control.servers}
+        self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),
+                                   group_name=self.group_name, backend=self.backend)
+        control.run(lambda c: c.init_weights_update_group(self.sender, ranks))
+
+    def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
+        if control is None:
+            for _ in buckets:  # take part in the gathers; only rank 0 sends
+                pass
+            sum_over_ranks([0, 0])
+            return SyncStats()
+        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
+                                                      flush_cache=self.flush_cache))
+        receivers = sum(s.ranks for s in control.servers)
+        # every server rank receives every tensor whole; the least a server as a whole
+        # needs is one full copy (its ranks could split it)
+        delivered, bound = sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
+        return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,64 @@
+"""pause -> move -> version -> resume: :class:`WeightPublisher`, and the transport a config
+names (:func:`transport_for`). The protocol is described in :mod:`realscale.publish`."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from realscale.parallel.device import backend
+from realscale.publish.broadcast import BroadcastTransport
+from realscale.publish.control import ServerControl
+from realscale.publish.disk import DiskTransport
+from realscale.publish.reshard import ReshardTransport
+from realscale.publish.transport import WeightTransport
+from realscale.publish.vllm import VllmEngineTransport
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.train.engine import MegatronEngine
+
+
+class WeightPublisher:
+    """pause -> move -> version -> resume (the module docstring). Every trainer rank holds
+    one; ``control`` only on rank 0."""
+
+    def __init__(self, transport: WeightTransport, control: ServerControl | None, pause_mode: str) -> None:
+        self.transport = transport
+        self.control = control
+        self.pause_mode = pause_mode
+        self.connected = False
+
+    def publish(self, engine: "MegatronEngine", version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        if not self.connected:
+            self.transport.connect(engine, self.control)
+            self.connected = True
+        if self.control is not None:
+            self.control.pause(self.pause_mode)
+        stats = self.transport.send(engine, version, self.control)
+        if self.control is not None:
+            self.control.resume(version)
+        stats.seconds = time.perf_counter() - start
+        return stats.metrics()
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.control is not None:
+            self.control.close()
+
+
+def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
+    """The transport ``generate.weight_update`` names: disk, or ``distributed`` = the
+    reshard transport for embedded servers, vLLM's engine for vLLM, SGLang's broadcast for SGLang."""
+    from realscale.parallel.device import backend
+
+    if cfg.generate.weight_update == "disk":
+        return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
+    if cfg.generate.backend == "embedded":
+        return ReshardTransport(backend(cfg.parallel.backend))
+    if cfg.generate.backend == "vllm":
+        from realscale.inference.vllm_server import weight_engine
+
+        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
+    return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

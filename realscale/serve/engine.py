@@ -1,0 +1,317 @@
+"""The embedded generation engine: continuous batching in a scheduler thread.
+
+Each scheduler iteration (1) runs control commands (pause, continue, abort, weight
+swaps) between forward passes, (2) prefills newly arrived requests into free KV slots,
+(3) runs ONE batched decode step for every running request, (4) lets finished requests
+leave. A long answer therefore never holds up short ones, and a pause takes effect
+within one forward pass.
+
+Pause modes follow SGLang's ``/pause_generation``:
+
+- ``abort``: every running and waiting request finishes now with
+  ``finish_reason = {"type": "abort"}`` and its partial tokens and log-probs.
+- ``retract``: running requests go back to the waiting queue keeping their output; on
+  continue they are prefilled again (prompt + output) under whatever weights are loaded
+  then, and carry on. The client sees one uninterrupted request.
+- ``in_place``: nothing moves; the KV cache is kept (stale if the weights change).
+
+Every output token records the weight version that produced it; responses carry SGLang's
+``meta_info["weight_versions"]`` spans (``[{"version", "start", "end"}]``).
+
+The forward passes go through a :class:`~realscale.serve.ranks.ServerRanks` (one rank or
+several, tensor-parallel; the engine does not know which): ``forward`` for prefill and
+decode, ``move_slot`` when a request leaves, ``call_all`` for anything every rank must
+run between forward passes (weight updates; see :meth:`Engine.call`). If the ranks fail,
+:meth:`Engine.fail` stops the scheduler and answers every request with an abort.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from realscale.algo.sampling import sample
+
+if TYPE_CHECKING:
+    from realscale.serve.ranks import ServerRanks
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def running_abort(message: str | None = None, status_code: int | None = None) -> dict[str, Any]:
+    """SGLang's finish reason of an aborted running request (``FINISH_ABORT.to_json``)."""
+    return {"type": "abort", "message": message or "Aborted", "status_code": status_code, "err_type": None}
+
+
+def waiting_abort() -> dict[str, Any]:
+    """SGLang's finish reason of a request aborted in the waiting queue, before it ran."""
+    return {"type": "abort", "message": "Abort in waiting queue"}
+
+
+@dataclasses.dataclass
+class SamplingOptions:
+    """The sampling parameters the engine honours (SGLang names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and everything it has produced so far."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingOptions
+    return_logprob: bool = False
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[str] = dataclasses.field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    num_retractions: int = 0
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    future: Future = dataclasses.field(default_factory=Future)
+    text_tail: str = ""  # decoded tail used for stop-string matching
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose K/V are in the cache once prefilled: all but the last output token."""
+        return len(self.input_ids) + max(0, len(self.output_ids) - 1)
+
+
+class Engine:
+    """Owns the request queues, the KV slot assignment and the scheduler thread; the
+    ranks (``runner``, with ``max_running`` KV slots of ``context_length``) do the math."""
+
+    def __init__(self, runner: "ServerRanks", tokenizer: Any, *, max_running: int = 32, context_length: int = 2048,
+                 weight_version: str = "0", seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = set(eos_token_ids or [])
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # running[i] owns KV slot i
+        self.paused: str | None = None  # the pause mode while paused
+        self._commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self.failure: str | None = None
+        self.steps = 0
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="realscale-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, thread-safe
+
+    def submit(self, req: Request) -> Future:
+        """Queue ``req``; its future resolves to the finished :class:`Request`."""
+        with self._wake:
+            if self.failure is None and not self._stop:
+                self.waiting.append(req)
+                self._wake.notify()
+                return req.future
+        self._resolve(req, running_abort(f"server failed: {self.failure or 'shutting down'}"))
+        return req.future
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between forward passes; returns its future."""
+        fut: Future = Future()
+        with self._wake:
+            if not self._stop:
+                self._commands.append((fn, fut))
+                self._wake.notify()
+                return fut
+        fut.set_exception(RuntimeError(f"server failed: {self.failure or 'shutting down'}"))
+        return fut
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def fail(self, reason: str) -> None:
+        """The ranks failed: stop scheduling; every request is answered with an abort."""
+        with self._wake:
+            self.failure = reason
+            self._stop = True
+            self._wake.notify()
+
+    # ------------------------------------------------------------------ commands (scheduler thread)
+
+    def pause(self, mode: str) -> int:
+        """Pause in ``mode``; returns how many requests were aborted or retracted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self.paused = mode
+        if mode == "abort":
+            return self.abort(None)
+        if mode == "retract":
+            moved = list(self.running)
+            self.running.clear()
+            for req in reversed(moved):  # keep arrival order at the queue's front
+                req.num_retractions += 1
+                self.waiting.appendleft(req)
+            return len(moved)
+        return 0
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def abort(self, rid: str | None, message: str | None = None, status_code: int | None = None) -> int:
+        """Finish request ``rid`` (or all, if None) with an abort; returns how many. The
+        finish reasons are SGLang's: a running request's carries ``message`` (default
+        "Aborted") and ``status_code``; a waiting one's says it never ran."""
+        count = 0
+        for req in list(self.running):
+            if rid is None or req.rid == rid:
+                self._finish_running(req, running_abort(message, status_code))
+                count += 1
+        for req in list(self.waiting):
+            if rid is None or req.rid == rid:
+                self.waiting.remove(req)
+                self._resolve(req, waiting_abort())
+                count += 1
+        return count
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "paused": self.paused is not None, "pause_mode": self.paused, "steps": self.steps,
+                "weight_version": self.weight_version}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._commands and (self.paused or not (self.waiting or self.running)):
+                    self._wake.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets the error
+                    fut.set_exception(exc)
+            if self.paused:
+                continue
+            try:
+                self._step()
+            except BaseException as exc:  # noqa: BLE001 - fail requests, keep serving
+                log.exception("scheduler step failed")
+                self.abort(None, f"internal error: {exc}")
+        reason = f"server failed: {self.failure}" if self.failure else "server shutting down"
+        with self._wake:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            fut.set_exception(RuntimeError(reason))
+        self.abort(None, reason)
+
+    def _step(self) -> None:
+        with self._wake:
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_running:
+                admitted.append(self.waiting.popleft())
+        decoding = list(self.running)
+        if admitted:
+            self._prefill(admitted)
+        if decoding:
+            self._decode(decoding)
+        self.steps += 1
+        self.last_step_time = time.monotonic()
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill prompt (+ output kept from a retraction) into the next free slots."""
+        slot0 = len(self.running)
+        seqs = [r.input_ids + r.output_ids for r in reqs]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = torch.tensor(s)
+        lengths = torch.tensor([len(s) for s in seqs])
+        dev = self.runner.device
+        self.running.extend(reqs)  # before the forward: a failed step aborts them with the others
+        logits = self.runner.forward(slot0, ids.to(dev), torch.zeros(len(reqs), dtype=torch.long, device=dev),
+                                     (lengths - 1).to(dev))
+        self._sample_and_advance(reqs, slot0, logits)
+
+    def _decode(self, reqs: list[Request]) -> None:
+        dev = self.runner.device
+        last = torch.tensor([r.output_ids[-1] for r in reqs], device=dev).unsqueeze(1)
+        start = torch.tensor([r.cached_len for r in reqs], device=dev)
+        logits = self.runner.forward(0, last, start, torch.zeros(len(reqs), dtype=torch.long, device=dev))
+        self._sample_and_advance(reqs, 0, logits)
+
+    def _sample_and_advance(self, reqs: list[Request], slot0: int, logits: torch.Tensor) -> None:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+        tokens, logps = sample(logits, temp, top_p, top_k, self.generator)
+        for req, tok, lp in zip(reqs, tokens.tolist(), logps.tolist()):
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self.weight_version)
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._finish_running(req, reason)
+
+    def _finish_reason(self, req: Request, tok: int) -> dict[str, Any] | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return {"type": "stop", "matched": tok}
+        if tok in p.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            piece = self.tokenizer.decode([tok], skip_special_tokens=p.skip_special_tokens)
+            req.text_tail = (req.text_tail + piece)[-256:]
+            for s in p.stop:
+                if s and s in req.text_tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(req.input_ids) + len(req.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish_running(self, req: Request, reason: dict[str, Any]) -> None:
+        """Remove a running request, keeping running[i] <-> slot i dense."""
+        i = self.running.index(req)
+        last = len(self.running) - 1
+        if i != last:
+            moved = self.running[last]
+            self.runner.move_slot(last, i, moved.cached_len + 1)
+            self.running[i] = moved
+        self.running.pop()
+        self._resolve(req, reason)
+
+    def _resolve(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        if not req.future.done():
+            req.future.set_result(req)

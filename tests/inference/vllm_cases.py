@@ -1,0 +1,83 @@
+"""Workers for the vLLM tests (spawned trainer ranks import this module)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+
+def engine_logprobs(model_dir: str, seqs: list[list[int]], temperature: float) -> list[list[float]]:
+    """Megatron's per-token log-probs of ``seqs`` (position i: token i given the ones before)."""
+    from realscale.train.batch import PackedBatch
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    eng = MegatronEngine(EngineConfig(model_path=model_dir, lr=None, temperature=temperature,
+                                      max_tokens_per_micro_batch=4096))
+    return _split(eng.logprobs(PackedBatch.from_sequences(seqs))["logprobs"], seqs)
+
+
+def _split(lp: torch.Tensor, seqs: list[list[int]]) -> list[list[float]]:
+    out, at = [], 0
+    for s in seqs:
+        out.append(lp[at:at + len(s)].tolist())
+        at += len(s)
+    return out
+
+
+async def _generate_each(urls: list[str], prompt: list[int], params: dict[str, Any]) -> list[Any]:
+    """One generation on every server in ``urls`` (through the client's vLLM dialect)."""
+    from realscale.inference.client import InferenceClient
+    from realscale.inference.vllm_dialect import VllmDialect
+
+    async def one(url: str) -> Any:
+        async with InferenceClient([url], dialect=VllmDialect()) as client:
+            return await client.generate(prompt, params)
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
+                                servers: list[tuple[str, int]], out_dir: str, versions: list[int],
+                                prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """Every trainer rank: a Megatron engine holding ``new_dir``'s weights (tp = world size)
+    pushes them into the vLLM servers with the run's transport (vLLM's trainer engine,
+    ``gloo``) once per entry of ``versions``; then each server generates from ``prompt`` and
+    every rank recomputes the generated tokens' log-probs with the engine."""
+    import torch.distributed as dist
+
+    from realscale.config import config_from_dict
+    from realscale.publish.control import ServerControl, ServerEndpoint
+    from realscale.publish.publisher import transport_for
+    from realscale.rollout.controller import client_factory
+    from realscale.rollout.process import LocalRollouts
+    from realscale.train.batch import PackedBatch
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = config_from_dict(cfg_dict)
+    eng = MegatronEngine(EngineConfig(model_path=new_dir, tp=dist.get_world_size(), lr=None,
+                                      temperature=params["temperature"]))
+    control, controller = None, None
+    if dist.get_rank() == 0:
+        urls = [u for u, _ in servers]
+        controller = LocalRollouts.build(cfg, base_dir, urls, out_dir)  # started paused, as the driver's
+        control = ServerControl(controller, [ServerEndpoint(u, r) for u, r in servers], client_factory(cfg, urls))
+    transport = transport_for(cfg, out_dir)
+    transport.connect(eng, control)
+    stats = [transport.send(eng, v, control) for v in versions]
+    results = None
+    if control is not None:
+        results = control.run(lambda c: _generate_each([u for u, _ in servers], prompt, params))
+    box = [[prompt + r.output_ids for r in results] if results else None]
+    dist.broadcast_object_list(box, src=0)
+    trained = _split(eng.logprobs(PackedBatch.from_sequences(box[0]))["logprobs"], box[0])
+    transport.close()
+    if controller is not None:
+        control.close()
+        controller.stop()
+    if results is None:
+        return {}
+    return {"served": [r.output_logprobs for r in results], "versions": [r.output_versions for r in results],
+            "trained": [t[len(prompt):] for t in trained], "stats": [s.metrics() for s in stats],
+            "members": transport.client.members}

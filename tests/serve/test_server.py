@@ -1,0 +1,192 @@
+"""Embedded server: every endpoint, bad input, log-probs vs transformers, continuous batching."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+import torch
+
+from realscale.algo.sampling import token_logprobs
+
+
+def _post(url: str, path: str, body=None, **kw) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=60, **kw)
+
+
+def test_generate_fields(tiny_server) -> None:
+    url, _ = tiny_server
+    r = _post(url, "/generate", {"input_ids": [5, 6, 7], "rid": "abc", "return_logprob": True,
+                                 "sampling_params": {"max_new_tokens": 9, "temperature": 0.8, "top_k": 20}})
+    assert r.status_code == 200
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "abc" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 9
+    assert meta["finish_reason"] == {"type": "length", "length": 9}
+    assert len(out["output_ids"]) == 9 and len(meta["output_token_logprobs"]) == 9
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[0] <= 0.0 for e in meta["output_token_logprobs"])
+    assert meta["weight_version"] == "0" and meta["weight_versions"] == [{"version": "0", "start": 0, "end": 9}]
+
+
+def test_text_batch_and_stops(tiny_server) -> None:
+    url, server = tiny_server
+    tok = server.tokenizer
+    batch = _post(url, "/generate", {"text": ["ab", "cde"], "sampling_params": {"max_new_tokens": 4,
+                                                                                "temperature": 0}}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert batch[1]["meta_info"]["prompt_tokens"] == len(tok("cde")["input_ids"])
+    # Greedy is deterministic: find its 3rd token, then stop on it by id and by string.
+    greedy = _post(url, "/generate", {"input_ids": [40, 41], "sampling_params": {"max_new_tokens": 6,
+                                                                                "temperature": 0}}).json()
+    third = greedy["output_ids"][2]
+    by_id = _post(url, "/generate", {"input_ids": [40, 41], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [third]}}).json()
+    assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": third}
+    assert by_id["output_ids"] == greedy["output_ids"][:by_id["output_ids"].index(third) + 1]
+    piece = tok.decode([third])
+    by_str = _post(url, "/generate", {"input_ids": [40, 41], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop": piece}}).json()
+    assert by_str["meta_info"]["finish_reason"]["type"] == "stop"
+    assert piece not in by_str["text"]  # SGLang trims the stop string from the text
+    zero = _post(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}).json()
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"input_ids": [1], "text": "a"}, "exactly one of"),
+    ({}, "exactly one of"),
+    ({"input_ids": [1], "image_data": "cat.png"}, "generate.image_data: not supported"),
+    ({"input_ids": [1], "lora_path": "adapter"}, "generate.lora_path: not supported"),
+    ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0}, "generate.logprob_start_len: not supported"),
+    ({"input_ids": [[1], [2]], "return_logprob": [True]}, "a list of 1 for a batch of 2"),
+    ({"input_ids": [100000]}, "not a token id"),
+    ({"input_ids": []}, "non-empty"),
+    ({"input_ids": ["a"]}, "not a token id"),
+    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens: expected int"),
+    ({"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n: not supported"),
+    ({"input_ids": [1], "sampling_params": {"stop": [1]}}, "sampling_params.stop"),
+    ({"input_ids": [1], "sampling_params": {"wat": 1}}, "unknown field(s) 'wat'"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty: not supported"),
+    ({"input_ids": [1], "stream": "yes"}, "generate.stream: expected bool"),
+    ({"input_ids": [1] * 300}, "context length is 256"),
+    ([1, 2], "expected a JSON object"),
+])
+def test_generate_rejects(tiny_server, body, needle) -> None:
+    url, _ = tiny_server
+    r = _post(url, "/generate", body)
+    assert r.status_code == 400
+    assert needle in r.json()["error"]
+
+
+def test_control_endpoints_reject(tiny_server) -> None:
+    url, _ = tiny_server
+    assert "not valid JSON" in requests.post(url + "/generate", data="{x", timeout=10).json()["error"]
+    cases = [("/pause_generation", {"mode": "freeze"}, "mode"),
+             ("/update_weights_from_disk", {}, "model_path"),
+             ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "not a directory"),
+             ("/init_weights_update_group", {"master_address": "x"}, "master_port"),
+             ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": []}, "differ in length"),
+             ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
+              "must run between begin_weight_update() and end_weight_update()"),
+             ("/end_weight_update", {}, "no weight-update session is open"),
+             ("/begin_weight_update", {"selector": "both"}, "selector")]
+    for path, body, needle in cases:
+        r = _post(url, path, body)
+        assert r.status_code == 400, path
+        assert needle in r.json()["error"], (path, r.json())
+    assert requests.get(url + "/nope", timeout=10).status_code == 404
+    assert requests.get(url + "/generate", timeout=10).json()["error"].startswith("Method Not Allowed")
+
+
+def test_info_health_flush(tiny_server) -> None:
+    url, _ = tiny_server
+    for path in ("/health", "/health_generate"):
+        assert requests.get(url + path, timeout=30).status_code == 200
+    info = requests.get(url + "/get_model_info", timeout=10).json()
+    assert info["is_generation"] is True and info["model_type"] == "qwen2"
+    assert info["architectures"] == ["Qwen2ForCausalLM"] and info["weight_version"] == "0"
+    sinfo = requests.get(url + "/get_server_info", timeout=10).json()
+    assert sinfo["context_length"] == 256 and sinfo["max_running_requests"] == 16
+    assert sinfo["num_running_reqs"] == 0
+    assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
+def test_logprobs_match_transformers(family: str) -> None:
+    """Behaviour log-probs equal log_softmax(logits / T) of a plain HF forward (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from realscale.serve.server import EmbeddedServer, start_in_thread
+
+    server = EmbeddedServer(family, max_running=8, context_length=128)
+    url, stop = start_in_thread(server)
+    try:
+        prompts = [[3, 4, 5], list(range(10, 40)), [7]]
+        temps = [0.7, 1.0, 0.0]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # concurrent: batched decode with padding
+            replies = list(pool.map(lambda a: _post(url, "/generate", {
+                "input_ids": a[0], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 24, "temperature": a[1], "top_p": 0.9}}).json(),
+                zip(prompts, temps)))
+    finally:
+        stop()
+    model = AutoModelForCausalLM.from_pretrained(server.model_path).eval()
+    for prompt, temp, reply in zip(prompts, temps, replies):
+        out = reply["output_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+        ref = token_logprobs(logits, torch.tensor(out), temp)
+        got = torch.tensor([e[0] for e in reply["meta_info"]["output_token_logprobs"]])
+        assert (ref - got).abs().max().item() < 1e-4
+        if temp == 0.0:
+            assert out == logits.argmax(-1).tolist()
+
+
+def test_short_request_not_held_up_by_long_one(tiny_server) -> None:
+    url, _ = tiny_server
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_ = pool.submit(_post, url, "/generate", {"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}})
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        short = pool.submit(_post, url, "/generate", {"input_ids": [3], "sampling_params": {
+            "max_new_tokens": 3, "ignore_eos": True}}).result()
+        short_done = time.monotonic()
+        assert not long_.done()  # the short one joined the running batch and left first
+        assert long_.result().json()["meta_info"]["completion_tokens"] == 200
+    assert short.json()["meta_info"]["completion_tokens"] == 3
+    assert short_done - t0 < 5.0
+
+
+def _wait_running(url: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while requests.get(url + "/get_server_info", timeout=10).json()["num_running_reqs"] < n:
+        assert time.monotonic() < deadline, "requests never started running"
+        time.sleep(0.002)
+
+
+def test_abort_request_by_rid(tiny_server) -> None:
+    url, _ = tiny_server
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(_post, url, "/generate", {"input_ids": [1], "rid": "victim", "return_logprob": True,
+                                                       "sampling_params": {"max_new_tokens": 250, "ignore_eos": True}})
+        other = pool.submit(_post, url, "/generate", {"input_ids": [2], "rid": "other",
+                                                      "sampling_params": {"max_new_tokens": 250, "ignore_eos": True}})
+        _wait_running(url, 2)
+        # Freeze both (in_place keeps their KV), abort one, let the other finish.
+        assert _post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        aborted = _post(url, "/abort_request", {"rid": "victim"})
+        assert aborted.status_code == 200 and aborted.content == b""  # SGLang answers with no body
+        assert _post(url, "/continue_generation", {}).status_code == 200
+        out, rest = victim.result().json(), other.result().json()
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 250 and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert rest["meta_info"]["finish_reason"] == {"type": "length", "length": 250}

@@ -37,11 +37,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from realscale.config import Config, ConfigError
+import numpy as np
+from omegaconf import OmegaConf
+
+from realscale.config import Config, ConfigError, run_dir, save_config
+from realscale.data.sft_data import load_demonstrations
+from realscale.models.tiny import build_tiny_model, resolve_model_path
+from realscale.parallel.spawn import run_distributed
 from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
 MODEL_FAMILY = "qwen2"
@@ -65,14 +72,11 @@ class SFTResult:
 
 
 def sft_output_dir(cfg: Config) -> str:
-    from realscale.config import run_dir
-
     return cfg.sft.output or os.path.join(run_dir(cfg), "sft")
 
 
 def build_base_model(cfg: Config, out_dir: str) -> str:
     """``sft.base_model`` when set; otherwise a fresh seeded tiny Qwen2 of the ``sft`` size in ``out_dir``."""
-    from realscale.models.tiny import build_tiny_model, resolve_model_path
 
     s = cfg.sft
     if s.base_model:
@@ -116,7 +120,6 @@ def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int
     is seen in both styles and the model learns the mixture, not a style per problem.
     ``tool``: multi-turn demonstrations for the calculator environment instead, "worked"
     meaning that the answer calls the calculator first (:func:`encode_tool_example`)."""
-    import numpy as np
 
     from realscale.train.batch import PackedBatch
 
@@ -135,7 +138,6 @@ def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int
 def epoch_batches(n: int, batch_size: int, steps: int, seed: int) -> Iterator[list[int]]:
     """``steps`` lists of ``batch_size`` indices into ``n`` examples: seeded epoch shuffles,
     no example repeated within an epoch."""
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     order: list[int] = []
@@ -210,8 +212,6 @@ def _batches_for(cfg: Config, tokenizer: Any) -> tuple[Iterator[Any], dict[str, 
     ``sft.data`` is set, else the task's training split."""
     s = cfg.sft
     if s.data:
-        from realscale.data.sft_data import load_demonstrations
-
         examples, refused = load_demonstrations(s.data, tokenizer, s.max_seq_len)
         return example_batches(examples, s.batch_size, s.steps, cfg.run.seed), dict(refused), len(examples)
     train = task_from_config(cfg.data).split("train")
@@ -222,7 +222,6 @@ def _batches_for(cfg: Config, tokenizer: Any) -> tuple[Iterator[Any], dict[str, 
 def _copy_chat_template(src: str, dst: str) -> None:
     """transformers 5 keeps the chat template in ``chat_template.jinja``, which
     ``save_hf`` does not copy; without it the prompt layout (and the answers) break."""
-    import shutil
 
     for name in os.listdir(src):
         if name.startswith("chat_template"):
@@ -247,8 +246,6 @@ def stage_plan(cfg: Config, out_dir: str) -> list[tuple[Config, str]]:
 def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
     """Build (or take) the base model, fine-tune it stage by stage, save it, and (task data)
     score it on the held-out split."""
-    from realscale.config import save_config
-    from realscale.parallel.spawn import run_distributed
 
     start = time.perf_counter()
     task: ArithTask | None = None if cfg.sft.data else task_from_config(cfg.data)  # validates task knobs first
@@ -293,7 +290,6 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
 def prepare_policy_model(cfg: Config, out_dir: str) -> str:
     """The policy's HF directory: ``model.path: sft`` means the warm start of the ``sft``
     section (run now unless already there); anything else is a directory or tiny name."""
-    from realscale.models.tiny import resolve_model_path
 
     if cfg.model.path == "sft":
         target = sft_output_dir(cfg)
@@ -317,7 +313,6 @@ def warm_start_recipe(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
 def check_warm_start(cfg: Config, target: str) -> None:
     """A cached warm start made by another recipe must not be reused silently."""
-    from omegaconf import OmegaConf
 
     saved_path = os.path.join(target, "config.yaml")
     if not os.path.isfile(saved_path):

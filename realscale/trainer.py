@@ -42,18 +42,27 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
-from realscale.serve.colocated import ColocatedGeneration
-from realscale.publish.control import ServerControl, ServerEndpoint
-from realscale.publish.publisher import WeightPublisher, transport_for
 from realscale.launcher.spec import stop_reason
-from realscale.train.batch_scatter import BatchScatter, ScatterStats
+from realscale.metrics import MetricsLogger
 from realscale.parallel.device import init_distributed
 from realscale.parallel.rank_metrics import ComputeClock, CpuClock, gather_figures, step_figures
+from realscale.publish.control import ServerControl, ServerEndpoint
+from realscale.publish.publisher import WeightPublisher, transport_for
 from realscale.rollout.controller import client_factory
+from realscale.rollout.process import start_rollouts
+from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
-from realscale.train.checkpoint import (critic_dir, disk_usage, latest_checkpoint, record_trained,
-                                        rotate_checkpoints, save_checkpoint, truncate_logs)
+from realscale.train.batch_scatter import BatchScatter, ScatterStats
+from realscale.train.checkpoint import (
+    critic_dir,
+    disk_usage,
+    latest_checkpoint,
+    record_trained,
+    rotate_checkpoints,
+    save_checkpoint,
+    truncate_logs,
+)
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
 from realscale.train.reference import reference_for
@@ -105,8 +114,6 @@ class Trainer:
                       ) -> tuple["Rollouts", "MetricsLogger"]:
         """The rollouts (paused until the servers hold this run's weights) and the metrics
         logger; on resume, logs are cut back to the checkpoint's step."""
-        from realscale.metrics import MetricsLogger
-        from realscale.rollout.process import start_rollouts
 
         if self.resumed_from:
             truncate_logs(self.out_dir, self.step)

@@ -37,10 +37,12 @@ FLOORS: list[tuple[str, ...]] = [
 FLOOR = {unit: len(FLOORS) - i for i, units in enumerate(FLOORS) for unit in units}
 
 # Third-party packages worth deferring: slow to import, or absent where the code may run
-# (``realscale --help`` and the launcher's probes import no torch; a CPU run has no vLLM).
+# (``realscale --help`` and the launcher's probes import no torch; a CPU run has no vLLM;
+# reasoning_gym and tqdm are optional).
 HEAVY = ("torch", "megatron", "transformers", "vllm", "sglang", "safetensors", "tensorboard", "wandb",
          "matplotlib", "mpi4py", "math_verify", "gguf", "triton", "numpy", "aiohttp", "requests", "yaml",
-         "datasets", "pyarrow", "accelerate", "transformer_engine", "packaging", "psutil", "omegaconf")
+         "datasets", "pyarrow", "accelerate", "transformer_engine", "packaging", "psutil", "omegaconf",
+         "reasoning_gym", "tqdm", "megatron_patches")
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,11 @@ def top_weight(imps: list[Import]) -> dict[str, frozenset[str]]:
     return weight
 
 
+# Scripts that run inside the code sandbox as sources of their own: what they import, and
+# when, is part of the sandbox's design (reward/sandbox.py), not a matter of layout.
+SANDBOX_SCRIPTS = {"realscale.reward._harness", "realscale.reward._sandbox_exec"}
+
+
 def loose_deferred(imps: list[Import]) -> list[Import]:
     """Deferred imports that defer nothing: a module whose import loads no heavy package
     the importing module does not load already (the standard library; torch where the
@@ -209,6 +216,8 @@ def loose_deferred(imps: list[Import]) -> list[Import]:
     out = []
     for i in imps:
         if i.kind != "deferred" or i.src.startswith("realscale.commands") or i.src == "realscale.cli":
+            continue
+        if i.src in SANDBOX_SCRIPTS:
             continue
         if i.dst.startswith("realscale"):
             cost = weight.get(i.dst, frozenset())

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -48,6 +49,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from realscale.data.dataset import check_row, read_jsonl, read_parquet
+from realscale.reward.code_tests import parse_tests
+from realscale.reward.math_extract import last_boxed
 
 FORMATS = ("gsm8k", "math", "deepscaler", "aime", "areal", "code", "recipe")
 TARGETS = ("rl", "sft")
@@ -119,8 +122,6 @@ def _read_json_array(path: str) -> Iterator[tuple[int, Any, str]]:
 
 
 def _read_toml(files: list[str]) -> Iterator[tuple[int, Any, str]]:
-    import tomllib
-
     for i, f in enumerate(files, start=1):
         try:
             with open(f, "rb") as fh:
@@ -177,8 +178,6 @@ def _base_id(qid: Any) -> str:
 
 
 def _boxed(text: str) -> str | None:
-    from realscale.reward.math_extract import last_boxed
-
     return last_boxed(text)
 
 
@@ -302,7 +301,6 @@ def convert_areal(row: dict[str, Any], target: str, id2info: dict[str, dict[str,
 def _io_tests(raw: Any) -> tuple[dict[str, Any] | None, str]:
     """APPS/TACO-style ``input_output`` (a JSON string or object of ``inputs`` / ``outputs``,
     and ``fn_name`` for function-call cases), checked as the code reward will read it."""
-    from realscale.reward.code_tests import parse_tests
 
     try:
         io = json.loads(raw) if isinstance(raw, str) else raw

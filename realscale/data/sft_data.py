@@ -26,6 +26,8 @@ import os
 from collections import Counter
 from typing import Any
 
+from realscale.data.tokens import prompt_ids
+
 Example = tuple[list[int], list[float]]
 
 
@@ -36,8 +38,6 @@ def has_chat_template(tokenizer: Any) -> bool:
 def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
     """The RL workflow's prompt layout, or the bare text for a model without a chat template."""
     if has_chat_template(tokenizer):
-        from realscale.data.tokens import prompt_ids
-
         return prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))
 

@@ -27,10 +27,17 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from realscale.data.dataset import PromptDataset, PromptSample
+from realscale.data.tokens import prompt_ids
 from realscale.eval.metrics import aggregate, answer_key, pass_at_k
+from realscale.inference.client import InferenceClient
+from realscale.models.tiny import resolve_model_path
+from realscale.reward.math_extract import extract_answer
+from realscale.rollout.rewards import call_reward, close_reward_pools, reward_fn_for
+from realscale.tasks.arith import task_from_config
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -94,13 +101,8 @@ class BenchmarkResult:
 
 def load_problems(data: str, cfg: "Config", max_problems: int = 0) -> list["PromptSample"]:
     """The benchmark's problems: a recipe-format file, or ``task:<name>``'s held-out split."""
-    from realscale.data.dataset import PromptDataset, PromptSample
 
     if data.startswith("task:"):
-        from dataclasses import replace
-
-        from realscale.tasks.arith import task_from_config
-
         task = task_from_config(replace(cfg.data, source=data))
         problems = [PromptSample(prompt=p.prompt, answer=p.answer, metadata=p.metadata, uid=f"{data}:{i}")
                     for i, p in enumerate(task.split("heldout"))]
@@ -114,8 +116,6 @@ def load_problems(data: str, cfg: "Config", max_problems: int = 0) -> list["Prom
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """The RL workflow's prompt layout (chat template), or the bare text for a model without one."""
     if getattr(tokenizer, "chat_template", None):
-        from realscale.data.tokens import prompt_ids
-
         return prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))
 
@@ -127,7 +127,6 @@ async def _sample_all(urls: list[str], prompts: list[list[int]], settings: Bench
                       gen_cfg: Any, concurrency: int) -> list[list[Any]]:
     """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
     the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
-    from realscale.inference.client import InferenceClient
 
     params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
               "top_p": settings.top_p}
@@ -143,8 +142,6 @@ async def _sample_all(urls: list[str], prompts: list[list[int]], settings: Bench
 
 
 async def _score_all(cfg: "Config", problems: list["PromptSample"], texts: list[list[str]]) -> list[list[Any]]:
-    from realscale.rollout.rewards import call_reward, reward_fn_for
-
     async def group(sample: "PromptSample", outs: list[str]) -> list[Any]:
         fn = reward_fn_for(cfg.reward, sample)
         return list(await asyncio.gather(*(call_reward(fn, sample.prompt, t, sample,
@@ -156,7 +153,6 @@ async def _score_all(cfg: "Config", problems: list["PromptSample"], texts: list[
 def _extracted(sample: "PromptSample", text: str) -> str | None:
     if sample.answer is None:
         return None  # code problems: no answer to vote on
-    from realscale.reward.math_extract import extract_answer
 
     found = extract_answer(text)
     return found[0] if found else None
@@ -171,9 +167,6 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
     records and the summary into ``out_dir``. (Whoever calls starts the servers:
     ``realscale eval`` and the supervisor through :func:`realscale.launcher.served`.)"""
     from transformers import AutoTokenizer
-
-    from realscale.models.tiny import resolve_model_path
-    from realscale.rollout.rewards import close_reward_pools
 
     model_dir = resolve_model_path(model_dir)
     problems = load_problems(settings.data, cfg, settings.max_problems)

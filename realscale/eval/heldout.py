@@ -25,7 +25,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from realscale.tasks.arith import Problem, is_correct, prompt_ids
+from realscale.data.dataset import PromptSample
+from realscale.eval.benchmark import run_benchmark, settings_from_config
+from realscale.inference.client import GenerateResult
+from realscale.models.tiny import resolve_model_path
+from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow
+from realscale.tasks.arith import Problem, is_correct, prompt_ids, task_from_config
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -93,7 +98,6 @@ class _EngineClient:
         self.engine = engine
 
     async def generate(self, ids: list[int], params: dict[str, Any]) -> Any:
-        from realscale.inference.client import GenerateResult
         from realscale.serve.engine import Request, SamplingOptions
 
         opts = SamplingOptions(max_new_tokens=int(params["max_new_tokens"]), temperature=float(params["temperature"]))
@@ -107,8 +111,6 @@ def run_tool_episodes(model_dir: str, tok: Any, problems: list[Problem], *, samp
                       max_new_tokens: int, max_turns: int, seed: int) -> list[list[Any]]:
     """``samples`` multi-turn episodes per problem with the calculator environment, through
     :class:`realscale.rollout.workflows.MultiTurnWorkflow` itself (the RL rollouts' code)."""
-    from realscale.data.dataset import PromptSample
-    from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow
 
     context = max(len(prompt_ids(tok, p.prompt)) for p in problems) + max_turns * (max_new_tokens + 64)
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
@@ -131,8 +133,6 @@ def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, tempe
     tool (``rollout.workflow: multi_turn``), scored by the environment, and the share of
     episodes in which the calculator returned a result (``tool_use``)."""
     from transformers import AutoTokenizer
-
-    from realscale.models.tiny import resolve_model_path
 
     if not problems:
         raise ValueError("evaluate: no problems given")
@@ -180,15 +180,12 @@ def evaluate_heldout(cfg: Config, model_dir: str, out_dir: str = "",
     temperature (4 samples per prompt: the policy RL trains). None for other sources.
     ``urls``: the servers of ``model_dir`` that the benchmark samples from (``eval.data``)."""
     if cfg.eval.data:
-        from realscale.eval.benchmark import run_benchmark, settings_from_config
-
         result = run_benchmark(cfg, model_dir, settings_from_config(cfg), out_dir or os.path.join(model_dir, "eval"),
                                urls or [])
         print(result.table(), flush=True)
         return result.metrics
     if not cfg.data.source.startswith("task:"):
         return None
-    from realscale.tasks.arith import task_from_config
 
     problems = task_from_config(cfg.data).split("heldout")
     common = {"max_new_tokens": cfg.generate.max_new_tokens, "tokenizer_dir": cfg.model.tokenizer,

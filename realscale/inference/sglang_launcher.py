@@ -16,10 +16,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib import metadata
 from typing import Any
 
-from realscale.inference.sglang_reference import PINNED, SUPPORTED
 from realscale.errors import LaunchError
+from realscale.inference.sglang_reference import PINNED, SUPPORTED
 
 
 class SGLangVersionError(LaunchError):
@@ -29,7 +30,6 @@ class SGLangVersionError(LaunchError):
 def check_sglang_version(installed: str | None = None) -> str:
     """The installed SGLang's version (or ``installed``) if it is in ``SUPPORTED``;
     otherwise :class:`SGLangVersionError` with a one-line message."""
-    from importlib import metadata
 
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version

@@ -21,13 +21,18 @@ own code without importing its package (whose imports need CUDA-only libraries).
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import functools
+import glob
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import zipfile
 from types import ModuleType
 from typing import Any
 
@@ -246,9 +251,6 @@ def api_types() -> ModuleType:
 
 
 def _download(requirement: str, into: str) -> str:
-    import glob
-    import subprocess
-
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement,
                     "-d", into], check=True)
     stem = requirement.split("==")[0]
@@ -261,9 +263,6 @@ def _download(requirement: str, into: str) -> str:
 def fetch(dest: str | None = None) -> str:
     """Download the pinned SGLang wheel (no dependencies, nothing installed), unpack its
     protocol files, and unpack msgspec into ``_deps`` for :func:`api_types`."""
-    import shutil
-    import tempfile
-    import zipfile
 
     dest = dest or source_dir()
     staging = f"{dest}.partial-{os.getpid()}"  # unpack beside, then swap: readers never see half a tree

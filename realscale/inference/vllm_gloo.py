@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from realscale.inference.weight_sync import new_group
 
@@ -141,13 +142,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                                GROUP_NAME, BACKEND, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

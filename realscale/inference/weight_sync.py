@@ -28,6 +28,10 @@ import math
 from typing import Any, Iterable
 
 import torch
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from realscale.parallel.device import comm_device
+from realscale.parallel.net import free_port
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -60,7 +64,6 @@ def new_group(master_address: str, master_port: int, rank: int, world_size: int,
     Blocks until all ``world_size`` ranks have joined. ``group_name`` must be unused in
     this process (torch keeps one registry of group names); :func:`destroy_group` frees it.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: {backend!r} is not one of 'gloo', 'nccl'")
@@ -107,8 +110,6 @@ class WeightSender:
 
     def __init__(self, master_address: str, master_port: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo", device: str | None = None) -> None:
-        from realscale.parallel.device import comm_device
-
         self.master_address = master_address
         self.master_port = master_port
         self.world_size = world_size
@@ -149,7 +150,6 @@ class WeightSender:
     def reopen(self, world_size: int) -> None:
         """Drop the group and host a new one of ``world_size`` ranks on a fresh free port
         (after a server left: the next :meth:`connect` waits for the remaining ones)."""
-        from realscale.parallel.net import free_port
 
         self.close()
         self.world_size = world_size

@@ -21,8 +21,8 @@ import contextlib
 from dataclasses import asdict
 from typing import Any, Iterator
 
-from realscale.launcher.local import (LocalBackend, RankGroup, ServerProc,
-                                      start_servers, stop_servers, wait_healthy)
+from realscale.launcher.local import LocalBackend, RankGroup, ServerProc, start_servers, stop_servers, wait_healthy
+from realscale.launcher.slurm import SlurmBackend, in_allocation
 from realscale.launcher.spec import clear_stop, request_stop, stop_reason
 
 __all__ = ["LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "request_stop",
@@ -31,7 +31,6 @@ __all__ = ["LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop
 
 def backend_for(cfg: Any, out_dir: str) -> Any:
     """``launch.backend``: local, slurm, or auto (slurm inside an allocation)."""
-    from realscale.launcher.slurm import SlurmBackend, in_allocation
 
     kind = cfg.launch.backend
     if kind == "auto":

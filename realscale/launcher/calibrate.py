@@ -55,14 +55,24 @@ so a reader can refit or check them. The fit never sees a whole RL run.
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import math
 import os
+import random
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from realscale.data.tokens import prompt_ids
+from realscale.launcher.local import start_servers, stop_servers
+from realscale.parallel.mesh import Strategy
+from realscale.parallel.model_spec import spec_from_hf_config
+from realscale.parallel.spawn import run_distributed
+from realscale.planner import cost as C
 from realscale.planner.hardware import GPU, Efficiency, HardwareProfile, Source
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
@@ -133,8 +143,6 @@ def fit_profile(name: str, spec: Any, device: dict[str, float], decode: list[dic
     """A :class:`HardwareProfile` whose cost-model predictions fit these measurements
     (``requests``: the per-request points; without them the per-request cost is fitted
     jointly with the prefill cost to the first-token times)."""
-    from realscale.parallel.mesh import Strategy
-    from realscale.planner import cost as C
 
     gpu = GPU(name, peak_tflops=device["matmul_gflops"] / 1e3, hbm_gb=device["memory_gb"],
               hbm_tbps=device["copy_gbps"] / 1e3, nvlink_gbps=device["copy_gbps"], ib_gbps=device["copy_gbps"],
@@ -282,7 +290,6 @@ async def _request_points(url: str, vocab: int, repeats: int, server_cpu: Callab
     """``b`` concurrent requests of a 4-token prompt for 1 new token, ``rounds`` times in a
     row per timing (the kernel counts CPU time in 10 ms ticks), each ``b`` ``repeats`` times
     (shuffled); per round, the quickest server CPU, client CPU and wall time of each ``b``."""
-    import random
 
     from realscale.inference.client import InferenceClient
 
@@ -304,7 +311,6 @@ async def _decode_points(url: str, vocab: int, repeats: int, server_cpu: Callabl
     """Every (batch, prompt, new tokens) point ``repeats`` times in a shuffled order (a burst
     of load from other processes then spreads over all points instead of biasing one);
     the quickest of each is kept (server CPU time; wall time beside it)."""
-    import random
 
     from realscale.inference.client import InferenceClient
 
@@ -351,7 +357,6 @@ def _packed(vocab: int, tokens: int, seq_len: int, prompt_len: int, seed: int) -
 
 def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int, prompt_len: int) -> dict[str, Any]:
     """Runs in a spawned rank: train-step and weight-sync timings with the real engine."""
-    import copy
 
     import torch
 
@@ -382,7 +387,6 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
 def _sync_times(cfg: Any, engine: Any, url: str, repeats: int) -> list[float]:
     """Weight updates through the trainer's own publisher (pause -> move -> resume), the
     first (which connects the transport) left out."""
-    import tempfile
 
     from realscale.publish.control import ClientControl, ServerEndpoint
     from realscale.publish.publisher import WeightPublisher, transport_for
@@ -412,7 +416,6 @@ def _rollout_cpu(cfg: Any, model_dir: str, url: str, work_dir: str, server_pid: 
     for ``seconds`` at the recipe's concurrency (no staleness limit, no trainer): CPU time of
     this process (the controller's thread) and its children other than the server (the
     reward workers), per finished request."""
-    import copy
 
     import psutil
 
@@ -462,10 +465,6 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
                         name: str = "cpu") -> HardwareProfile:
     """Measure this machine with the recipe's model (see the module docstring) and fit."""
     from realscale.config import load_config
-    from realscale.launcher.local import start_servers, stop_servers
-    from realscale.parallel.model_spec import spec_from_hf_config
-    from realscale.parallel.spawn import run_distributed
-    from realscale.data.tokens import prompt_ids
     from realscale.sft import build_base_model
 
     cfg = load_config(recipe)
@@ -473,7 +472,6 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
     model_dir = os.path.join(work_dir, "model")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         build_base_model(cfg, model_dir)  # the recipe's warm-start architecture; timing ignores the weights
-    import json
 
     from transformers import AutoTokenizer
 

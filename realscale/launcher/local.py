@@ -9,6 +9,7 @@ processes are started differs.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from realscale.errors import LaunchError
+from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+from realscale.parallel.device import cuda_usable, devices_of_server
 from realscale.parallel.net import free_port
 from realscale.parallel.spawn import die_with_parent
 
@@ -38,7 +41,6 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     ``log_dir/server<i>.log``; returns once every one answers /health. ``first_gpu``: on a
     GPU machine, server i's ranks use GPUs ``first_gpu + i*tp`` onwards
     (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
-    from realscale.parallel.device import devices_of_server
 
     os.makedirs(log_dir, exist_ok=True)
     servers = []
@@ -73,7 +75,6 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
     every one answers /health within ``timeout`` seconds, else a one-line
     :class:`LaunchError` naming the failed server's log."""
-    from realscale.inference.vllm_server import check_model, require_vllm
 
     try:
         require_vllm()
@@ -97,7 +98,6 @@ def spawn_vllm_server(model_dir: str, gen: Any, log_path: str, *, seed: int = 0,
     """Start one vLLM server process (not waiting for it). Dies with this process — with
     the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
     the server."""
-    from realscale.inference.vllm_server import vllm_command, vllm_env
 
     port = free_port(gen.host)
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
@@ -179,8 +179,6 @@ class RankGroup:
     procs: list[Any] = field(default_factory=list)
 
     def start(self, fn: Callable[..., Any], world: int, args: tuple, threads: int | None = None) -> None:
-        import multiprocessing as mp
-
         threads = rank_threads(world) if threads is None else threads
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -232,8 +230,6 @@ class LocalBackend:
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
-        from realscale.parallel.device import cuda_usable
-
         g = self.cfg.generate
         if g.backend == "vllm":
             self.servers = start_vllm_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,

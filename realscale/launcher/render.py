@@ -23,12 +23,15 @@ import time
 from typing import Any
 
 from realscale.parallel.mesh import Cluster, LayoutError, Mesh
+from realscale.parallel.model_spec import known_model, spec_from_hf_config
+from realscale.planner.cost import Workload
+from realscale.planner.hardware import get_gpu
+from realscale.planner.plan import plan_from_search
 
 
 def model_spec_for(cfg: Any) -> Any:
     """The planner's view of the policy: its HF config.json when ``model.path`` is a local
     directory, else the size named by ``launch.model_size``."""
-    from realscale.parallel.model_spec import known_model, spec_from_hf_config
 
     config_json = os.path.join(cfg.model.path, "config.json")
     if os.path.isfile(config_json):
@@ -41,8 +44,6 @@ def model_spec_for(cfg: Any) -> Any:
 
 
 def problem_for(cfg: Any) -> Any:
-    from realscale.planner.cost import Workload
-    from realscale.planner.hardware import get_gpu
     from realscale.planner.search import Problem, default_roles
 
     workload = Workload(batch=cfg.rollout.batch_size, n_samples=cfg.rollout.n_samples,
@@ -66,9 +67,16 @@ def plan_for(cfg: Any) -> Any:
     """The plan of a GPU recipe (None for a CPU job)."""
     if cfg.launch.gpus_per_node == 0:
         return None
-    from realscale.planner.plan import plan_from_search
-    from realscale.planner.search import (INFEASIBLE, MODES, Instance, SearchResult, _consts, exhaustive,
-                                          role_options, search)
+    from realscale.planner.search import (
+        INFEASIBLE,
+        MODES,
+        Instance,
+        SearchResult,
+        _consts,
+        exhaustive,
+        role_options,
+        search,
+    )
 
     problem = problem_for(cfg)
     t0 = time.perf_counter()
@@ -97,7 +105,6 @@ def plan_for(cfg: Any) -> Any:
 
 def check_memory(plan: Any, cfg: Any) -> None:
     """Every role's estimated memory per GPU fits the GPU's HBM."""
-    from realscale.planner.hardware import get_gpu
 
     hbm = get_gpu(cfg.launch.gpu).hbm_gb
     for name, pl in plan.roles.items():

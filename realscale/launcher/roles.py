@@ -17,7 +17,9 @@ import socket
 import sys
 from typing import Any, Callable
 
-from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
+from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
+from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+from realscale.launcher.dist_env import DistEnv, _free_port, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 from realscale.parallel.device import cuda_usable
@@ -100,8 +102,6 @@ def _publish(url_dir: str, index: int, url: str) -> None:
 def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
     """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
     free on this node now (a small race with other processes of the node)."""
-    from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
-    from realscale.launcher.dist_env import _free_port
 
     check_sglang_version()
     port = _free_port()
@@ -121,8 +121,6 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     import torch
 
     from realscale.config import GenerateConfig
-    from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
-    from realscale.launcher.dist_env import _free_port
 
     require_vllm()
     g = GenerateConfig(**gen)

@@ -41,9 +41,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from realscale.launcher.dist_env import slurm_hostnames
 from realscale.errors import LaunchError
+from realscale.launcher.dist_env import slurm_hostnames
 from realscale.launcher.spec import RunSpec, launch_dir, spec_path
+from realscale.planner.plan import Plan
 
 
 def in_allocation(env: Mapping[str, str] = os.environ) -> bool:
@@ -113,7 +114,6 @@ def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -
     if not cfg.parallel.plan:
         raise LaunchError("a GPU job (launch.gpus_per_node > 0) needs parallel.plan: render one with "
                           "`realscale sweep` or `realscale plan --out`")
-    from realscale.planner.plan import Plan
 
     plan = Plan.load(cfg.parallel.plan)
     gpn = cfg.launch.gpus_per_node

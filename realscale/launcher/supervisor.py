@@ -21,10 +21,12 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from realscale.config import Config, config_from_dict, run_dir, save_config
-from realscale.eval import evaluate_heldout
 from realscale.errors import LaunchError
+from realscale.eval import evaluate_heldout
+from realscale.inference.sglang_launcher import check_sglang_version
 from realscale.launcher import backend_for, clear_stop, request_stop, served, stop_reason
-from realscale.metrics import plot_run, summary_text
+from realscale.metrics import MetricsLogger, plot_run, summary_text
+from realscale.parallel.spawn import run_distributed
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
 from realscale.train.checkpoint import checkpoint_name, disk_usage, latest_checkpoint
@@ -55,8 +57,6 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     os.makedirs(out_dir, exist_ok=True)
     try:
         if cfg.generate.backend == "sglang":  # refuse an unsupported SGLang before anything starts
-            from realscale.inference.sglang_launcher import check_sglang_version
-
             check_sglang_version()
         backend = backend_for(cfg, out_dir)
         backend.prepare()  # under Slurm: is the run directory on storage every node shares?
@@ -125,8 +125,6 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
             extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
                                                           f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
     if acc_end is not None:
-        from realscale.metrics import MetricsLogger
-
         log = MetricsLogger(out_dir, 0, progress=False)
         record = {f"eval/{k}": v for k, v in acc_end.items()}
         record["eval/accuracy"] = acc_end.get("greedy", next(iter(acc_end.values())))
@@ -165,7 +163,6 @@ def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, floa
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         return None
-    from realscale.parallel.spawn import run_distributed
 
     run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
                     prepare_policy_model(cfg, out_dir), timeout=1200)

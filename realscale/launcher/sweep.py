@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 
 from realscale.config import ConfigError, load_config
+from realscale.launcher.render import check_memory, plan_for, render_sbatch
+from realscale.parallel.mesh import LayoutError
 
 
 @dataclass
@@ -83,8 +85,6 @@ def load_sweep(path: str) -> list[Job]:
 
 def render_jobs(jobs: list[Job], out_dir: str) -> None:
     """Plan (GPU jobs) and script of every job; the files they would write under out_dir."""
-    from realscale.launcher.render import check_memory, plan_for, render_sbatch
-    from realscale.parallel.mesh import LayoutError
 
     for job in jobs:
         plan_path = ""

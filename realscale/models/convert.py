@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from realscale.models.family import ModelArch
+from realscale.parallel.device import comm_empty, group_backend, to_comm
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -289,8 +291,6 @@ def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _tp_gather(kind: str, shard: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    import torch.distributed as dist
-
     if kind == "replicated" or tp_group is None or dist.get_world_size(tp_group) == 1:
         return gather_layout(kind, [shard])
     shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
@@ -303,9 +303,6 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
                     pp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) on global rank 0; every rank of the model must iterate it
     (collectives inside), the others receive nothing."""
-    import torch.distributed as dist
-
-    from realscale.parallel.device import comm_empty, group_backend, to_comm
 
     local = local_params(model)
     tied_done = False

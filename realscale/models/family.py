@@ -10,12 +10,14 @@ parallelism — lives here.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from realscale.models import llama, qwen2, qwen3  # noqa: F401 - each registers its family
 from realscale.models.registry import _REGISTRY, Family, register  # noqa: F401 - Family and register are the families' API
+
 
 def family_of(model_type: str) -> Family:
     if model_type not in _REGISTRY:
@@ -53,7 +55,6 @@ class ModelArch:
         generation server's full embedding agree, so the resharder moves rows between any
         two tp degrees, and checkpoints keep their shape across layouts. Padded rows are
         never sampled: log-probs mask them, export strips them."""
-        import math
 
         unit = math.lcm(multiple, tp)
         return (self.vocab_size + unit - 1) // unit * unit

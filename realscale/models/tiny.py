@@ -28,8 +28,11 @@ import shutil
 import tempfile
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 from realscale.errors import UserError
 from realscale.models.cache import build_atomically, cache_root
+from realscale.models.gguf import smollm2_dir
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -90,7 +93,6 @@ def build_tokenizer(out_dir: str) -> Any:
     own Qwen2Tokenizer rebuilds from the files (AutoTokenizer ignores a Qwen2 model's
     tokenizer pipeline and reconstructs it), so every family loads the same tokenizer.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -197,7 +199,6 @@ def resolve_model_path(name_or_path: str) -> str:
 
         return build_atomically(target, build, lambda path: _is_complete(path, name_or_path))
     if name_or_path == "smollm2-135m":  # a real pretrained model, from a PyPI package (realscale/models/gguf.py)
-        from realscale.models.gguf import smollm2_dir
 
         return smollm2_dir()
     if os.path.isdir(name_or_path):

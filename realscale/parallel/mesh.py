@@ -17,6 +17,7 @@ Every refusal raises :class:`LayoutError` with a sentence naming what was wrong.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -142,7 +143,6 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """``"d4t2p1"`` (any order of d/t/p, missing letters mean 1) -> Strategy."""
-        import re
 
         parts = re.findall(r"([dtp])(\d+)", text)
         if not parts or "".join(a + b for a, b in parts) != text.replace(" ", ""):

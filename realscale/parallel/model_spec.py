@@ -20,6 +20,7 @@ first stage) and ``n_layers`` post-process (final norm, output head, last stage)
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -192,8 +193,6 @@ def known_model(name: str, itemsize: int = 2) -> ModelSpec:
     """The spec of a built-in size name (``qwen2-7b`` ...)."""
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in KNOWN_MODELS:
-        import difflib
-
         close = difflib.get_close_matches(key, list(KNOWN_MODELS) + list(_ALIASES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise LayoutError(f"unknown model size {name!r} (known: {', '.join(KNOWN_MODELS)}){hint}")

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from realscale.parallel.device import to_comm
+
 COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 
 
@@ -86,8 +88,6 @@ def gather_figures(local: dict[str, float]) -> list[dict[str, float]]:
     """Every rank's ``local`` figures (same keys on every rank), in rank order."""
     import torch
     import torch.distributed as dist
-
-    from realscale.parallel.device import to_comm
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [dict(local)]

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from realscale.parallel import intervals
+from realscale.parallel.device import comm_device
 from realscale.parallel.mesh import Layout, LayoutError
 from realscale.parallel.model_spec import ModelSpec
 from realscale.parallel.reshard import Piece, ReshardPlan, ShardIndex, shard_index
@@ -165,8 +166,6 @@ class Resharder:
     def __init__(self, plan: ReshardPlan, gpu: int | None = None, rank_of: Callable[[int], int] | None = None,
                  bucket_bytes: int = 64 << 20, max_inflight_bytes: int = 256 << 20,
                  device: torch.device | str | None = None, comm: Comm | None = None) -> None:
-        from realscale.parallel.device import comm_device
-
         self.plan = plan
         self.comm = comm if comm is not None else DefaultComm()
         self.rank_of = rank_of or (lambda g: g)

@@ -10,6 +10,7 @@ and every other rank is killed: no orphans, no hung test.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -19,7 +20,6 @@ import traceback
 from typing import Any, Callable
 
 from realscale.parallel import net
-
 
 # How long a rank's failure waits for news of a peer's death that caused it.
 DEATH_GRACE_S = 1.0
@@ -69,8 +69,6 @@ class DistributedJob:
 
     def __init__(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                  env: dict[str, str] | None = None) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         port = net.free_port()
         self.world_size = world_size

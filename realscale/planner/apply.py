@@ -25,8 +25,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import yaml
+
 from realscale.config import ConfigError
 from realscale.parallel.mesh import LayoutError
+from realscale.planner.plan import Plan
+from realscale.planner.validate import check_colocated, check_plan, policy_spec
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -35,9 +39,6 @@ if TYPE_CHECKING:
 
 def load_plan(cfg: "Config") -> "Plan":
     """The plan ``parallel.plan`` names, or a one-line ConfigError."""
-    from realscale.planner.plan import Plan
-
-    import yaml
 
     path = cfg.parallel.plan
     if not os.path.exists(path):
@@ -52,7 +53,6 @@ def apply_plan(cfg: "Config") -> "Config":
     """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp), the
     servers' count and tp, and the mode from it. A colocated run, planned or not, is
     checked here too (:func:`realscale.planner.validate.check_colocated`)."""
-    from realscale.planner.validate import check_colocated
 
     if cfg.parallel.plan:
         plan = _checked_plan(cfg)
@@ -77,8 +77,6 @@ def apply_plan(cfg: "Config") -> "Config":
 
 
 def _checked_plan(cfg: "Config") -> "Plan":
-    from realscale.planner.validate import check_plan, policy_spec
-
     plan = load_plan(cfg)
     try:
         spec = policy_spec(cfg)

@@ -24,6 +24,8 @@ the AReaL paper's 1.5B figures live in ``benchmarks/results/sim_calibration.json
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 
 from realscale.errors import UserError
@@ -217,8 +219,6 @@ class HardwareProfile:
         return cls(str(data.get("name", gpu.name)), gpu, eff, sources, dict(data.get("measurements", {})))
 
     def save(self, path: str) -> None:
-        import json
-
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, indent=1)
             fh.write("\n")
@@ -241,8 +241,6 @@ def builtin_profile(name: str) -> HardwareProfile:
 
 def load_profile(path_or_name: str) -> HardwareProfile:
     """A profile JSON written by ``realscale profile`` (or a calibration), else a built-in GPU name."""
-    import json
-    import os
 
     if os.path.isfile(path_or_name):
         try:

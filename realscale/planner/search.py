@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from realscale import kernels
 from realscale.parallel.mesh import Cluster, LayoutError, Mesh, Strategy
 from realscale.parallel.model_spec import ModelSpec
 from realscale.planner import cost as C
@@ -335,8 +336,6 @@ def anneal_py(inst: Instance, init: list[int], iters: int, seed: int) -> tuple[l
 
 
 def _anneal(inst: Instance, init: list[int], iters: int, seed: int) -> tuple[list[int], float]:
-    from realscale import kernels
-
     mod = kernels.load("plan_search")
     if mod is None:
         return anneal_py(inst, init, iters, seed)

@@ -43,7 +43,10 @@ import os
 from typing import TYPE_CHECKING
 
 from realscale.config import ConfigError
+from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, resolve_model_path
+from realscale.parallel.device import cuda_usable
 from realscale.parallel.mesh import LayoutError
+from realscale.parallel.model_spec import known_model, spec_from_hf_config, transformer_spec
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -146,7 +149,6 @@ def check_capacity(cfg: "Config", slots: int, unit: str, where: str, gpus: bool)
 
 def local_slots() -> tuple[int, str, bool]:
     """(slots, unit, gpus) of this machine: visible GPUs, else CPU cores."""
-    from realscale.parallel.device import cuda_usable
 
     if cuda_usable():
         import torch
@@ -158,19 +160,15 @@ def local_slots() -> tuple[int, str, bool]:
 def policy_spec(cfg: "Config") -> "ModelSpec | None":
     """The policy model's spec as far as it is known before the run: its config.json, a
     built-in tiny model, the ``sft`` section's fresh model, or ``launch.model_size``."""
-    from realscale.parallel.model_spec import known_model, spec_from_hf_config, transformer_spec
 
     path = cfg.model.path
     if path == "sft":
         if not cfg.sft.base_model:
-            from realscale.models.tiny import SPECIAL_TOKENS
-
             s = cfg.sft  # a fresh tiny Qwen2 (realscale.sft.build_base_model); byte tokenizer + specials
             return transformer_spec(hidden=s.hidden_size, n_layers=s.num_layers, n_heads=s.num_heads,
                                     n_kv_heads=s.num_kv_heads, ffn=s.intermediate_size,
                                     vocab=256 + len(SPECIAL_TOKENS), tie_embeddings=True)
         path = cfg.sft.base_model
-    from realscale.models.tiny import BUILTIN, resolve_model_path
 
     if path in BUILTIN:
         path = resolve_model_path(path)  # built once into the cache

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from realscale.inference.weight_sync import WeightSender
 from realscale.parallel.net import advertise_host, free_port
@@ -31,9 +31,6 @@ class BroadcastTransport(WeightTransport):
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         if control is None:
             return
-        from realscale.inference.weight_sync import WeightSender
-        from realscale.parallel.net import advertise_host
-        from realscale.parallel.net import free_port
 
         ranks = {s.url: s.ranks for s in control.servers}
         self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),

@@ -12,7 +12,6 @@ from typing import Any, Awaitable, Callable, Protocol
 from realscale.inference.client import InferenceClient
 
 
-
 @dataclass(frozen=True)
 class ServerEndpoint:
     """One generation server: its URL and how many ranks (tensor-parallel workers) it has.
@@ -108,7 +107,5 @@ class ClientControl(ServerControl):
     (benchmarks and tests drive transports through it exactly as the trainer does)."""
 
     def __init__(self, servers: list[ServerEndpoint], request_timeout: float = 600.0) -> None:
-        from realscale.inference.client import InferenceClient
-
         urls = [s.url for s in servers]
         super().__init__(_NoRollouts(), servers, lambda: InferenceClient(urls, request_timeout=request_timeout))

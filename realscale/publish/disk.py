@@ -41,7 +41,6 @@ class DiskTransport(WeightTransport):
 
     def prune_before(self, version: int) -> list[str]:
         """Delete every version older than ``version`` (all servers hold ``version``)."""
-        import shutil
 
         deleted = []
         for name in os.listdir(self.root):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from realscale.inference.vllm_server import weight_engine
 from realscale.parallel.device import backend
 from realscale.publish.broadcast import BroadcastTransport
 from realscale.publish.control import ServerControl
@@ -51,14 +52,11 @@ class WeightPublisher:
 def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
     """The transport ``generate.weight_update`` names: disk, or ``distributed`` = the
     reshard transport for embedded servers, vLLM's engine for vLLM, SGLang's broadcast for SGLang."""
-    from realscale.parallel.device import backend
 
     if cfg.generate.weight_update == "disk":
         return DiskTransport(out_dir, pause_mode=cfg.generate.pause_mode)
     if cfg.generate.backend == "embedded":
         return ReshardTransport(backend(cfg.parallel.backend))
     if cfg.generate.backend == "vllm":
-        from realscale.inference.vllm_server import weight_engine
-
         return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
     return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

@@ -49,18 +49,11 @@ class ReshardTransport(WeightTransport):
         self.received: dict[str, list[int]] = {}  # rank 0: bytes each server rank reported receiving, by URL
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
-        from realscale.parallel.model_spec import spec_from_hf_config
-
         itemsize = engine.config.params_dtype.itemsize
         self.spec = spec_from_hf_config(engine.hf_config, itemsize=itemsize)
         check_megatron_order(engine)
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
-        import torch.distributed as dist
-
-        from realscale.models.convert import local_params
-        from realscale.publish.weight_world import pack_megatron
-
         world = self._agree_on_world(engine, control)
         if world is not None:
             self._join(world, control)
@@ -83,16 +76,11 @@ class ReshardTransport(WeightTransport):
     def _agree_on_world(self, engine: "MegatronEngine", control: ServerControl | None) -> Any:
         """Rank 0 decides whether the servers of the world changed (first step, or a server
         died); every trainer rank gets the new world, or None when nothing changed."""
-        import torch.distributed as dist
-
-        from realscale.publish.weight_world import WorldSpec, host_store, spec_digest
 
         holder: list[Any] = [None]
         if control is not None:
             alive = control.run(lambda c: c.weight_targets())
             if self.member is None or alive != self.members:
-                from realscale.parallel.net import advertise_host
-
                 ranks = {s.url: s.ranks for s in control.servers}
                 r = engine.ranks
                 self.rebuilds += self.member is not None
@@ -115,10 +103,6 @@ class ReshardTransport(WeightTransport):
     def _join(self, world: Any, control: ServerControl | None) -> None:
         """Leave the old world; rank 0 asks every server to join the new one while every
         trainer rank joins it (building the group blocks until all have)."""
-        import torch.distributed as dist
-
-        from realscale.parallel.device import comm_empty
-        from realscale.publish.weight_world import WorldMember
 
         if self.member is not None:
             self.member.close()
@@ -149,7 +133,6 @@ def _join_bodies(world: Any, urls: list[str], check_only: bool) -> dict[str, dic
 def check_megatron_order(engine: "MegatronEngine") -> None:
     """The weight world numbers trainer ranks in Megatron's order (tp fastest, then dp,
     then pp): the global rank must be that, or the plan would read the wrong shards."""
-    import torch.distributed as dist
 
     r = engine.ranks
     expected = r.pp_rank * r.tp * r.dp + r.dp_rank * r.tp + r.tp_rank

@@ -55,10 +55,6 @@ class WeightTransport(abc.ABC):
 
 def sum_over_ranks(values: list[int]) -> list[int]:
     """Element-wise sum of small counters over the trainer's ranks (gloo or NCCL)."""
-    import torch
-    import torch.distributed as dist
-
-    from realscale.parallel.device import to_comm
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
@@ -76,6 +72,4 @@ def flush_after_update(pause_mode: str) -> bool:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0

@@ -39,8 +39,6 @@ class VllmSyncClient:
 
     def _fan_out(self, path: str, body_of: Any) -> None:
         async def go(client: Any) -> None:
-            import asyncio
-
             await asyncio.gather(*(client.post(u, path, body_of(i, u), timeout=self.timeout)
                                    for i, u in enumerate(self.members)))
 
@@ -91,8 +89,6 @@ class VllmEngineTransport(WeightTransport):
         self.trainer_engine: Any = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
-        from realscale.publish.vllm import VllmSyncClient
-        from realscale.inference.vllm_plugin import register
         from realscale.publish.vllm_source import MegatronWeightSource
 
         register()
@@ -106,23 +102,18 @@ class VllmEngineTransport(WeightTransport):
     def _trainer_init(self, rank: int, world_size: int, port: int) -> Any:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from realscale.parallel.net import advertise_host
-
         info = _trainer_init_info(self.engine_name, rank=rank, master_address=advertise_host(),
                                   master_port=port, world_size=world_size)
         return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def _open(self, urls: list[str]) -> None:
         """Rank 0: a new weight group among the servers at ``urls``."""
-        from realscale.parallel.net import free_port
 
         self.client.members = list(urls)
         self.trainer_engine = self._trainer_init(rank=0, world_size=self.client.world_size(urls),
                                                  port=free_port())
 
     def _regroup(self, urls: list[str]) -> None:
-        import logging
-
         logging.getLogger(__name__).warning("vLLM weight group %s -> %s: rebuilding it", self.client.members, urls)
         survivors = [u for u in self.client.members if u in urls]
         self.client.members = survivors

@@ -32,7 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from realscale.parallel.device import store_group
+from realscale.parallel.device import comm_empty, store_group
 from realscale.parallel.mesh import Layout, LayoutError, Mesh, Strategy
 
 if TYPE_CHECKING:
@@ -176,7 +176,6 @@ class StoreGroup:
 
     def barrier(self) -> None:
         """Every member of the world got here (a tiny all-reduce: works on gloo and NCCL)."""
-        from realscale.parallel.device import comm_empty
 
         t = comm_empty(1, _int64(), self.backend).zero_()
         self.pg.allreduce([t]).wait()

@@ -57,9 +57,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptSample
-from realscale.inference.client import dialect_for
-from realscale.rollout.staleness import StalenessManager
 from realscale.data.groups import Group
+from realscale.inference.client import InferenceClient, dialect_for
+from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.workflows import Workflow
 
 if TYPE_CHECKING:
@@ -565,8 +565,6 @@ def _client_factory(client: Callable[[], Any] | Sequence[str], kwargs: dict[str,
         raise ValueError("RolloutController: no server URLs")
 
     def make() -> Any:
-        from realscale.inference.client import InferenceClient
-
         return InferenceClient(urls, **kwargs)
 
     return make

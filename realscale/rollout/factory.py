@@ -11,6 +11,11 @@ import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from realscale.data.dataset import from_config as dataset_from_config
+from realscale.rollout.controller import RolloutController
+from realscale.rollout.workflows import workflow_from_config
+from realscale.tasks.arith import resolve_task_source, task_from_config
+
 if TYPE_CHECKING:
     from realscale.config import Config, DataConfig
     from realscale.rollout.controller import RolloutController
@@ -21,7 +26,6 @@ def resolved_data_config(cfg: "Config", out_dir: str) -> "DataConfig":
     data_cfg = cfg.data
     if not data_cfg.source.startswith("task:"):
         return data_cfg
-    from realscale.tasks.arith import resolve_task_source, task_from_config
 
     source = resolve_task_source(data_cfg.source, task_from_config(data_cfg), os.path.join(out_dir, "data"))
     return type(data_cfg)(**{**asdict(data_cfg), "source": source})
@@ -31,10 +35,6 @@ def build_controller(cfg: "Config", model_dir: str, server_urls: list[str], out_
     """The rollout controller of a run (trainer rank 0): prompts from ``cfg.data``, the
     workflow ``cfg.rollout.workflow`` names, generation on ``server_urls``."""
     from transformers import AutoTokenizer
-
-    from realscale.data.dataset import from_config as dataset_from_config
-    from realscale.rollout.controller import RolloutController
-    from realscale.rollout.workflows import workflow_from_config
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     dataset = dataset_from_config(resolved_data_config(cfg, out_dir), seed=cfg.run.seed,

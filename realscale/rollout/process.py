@@ -32,20 +32,24 @@ parent-death signal as well).
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import pickle
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from realscale.parallel.spawn import die_with_parent
 from realscale.rollout.controller import RolloutError
+from realscale.rollout.factory import build_controller
+from realscale.rollout.rewards import reward_pool_stats
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from realscale.config import AlgoConfig, Config
-    from realscale.rollout.controller import RolloutController
     from realscale.data.groups import Group
+    from realscale.rollout.controller import RolloutController
     from realscale.train.batch import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -105,7 +109,6 @@ class LocalRollouts:
               state: dict[str, Any] | None = None) -> "LocalRollouts":
         """The run's controller (resumed from ``state``), started paused: generation waits
         until the servers hold this run's weights."""
-        from realscale.rollout.factory import build_controller
 
         controller = build_controller(cfg, model_dir, server_urls, out_dir)
         if state is not None:
@@ -143,8 +146,6 @@ class LocalRollouts:
         return self.controller.stats()
 
     def reward_pool_stats(self) -> dict[str, float]:
-        from realscale.rollout.rewards import reward_pool_stats
-
         return reward_pool_stats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -168,9 +169,6 @@ class ControllerProcess:
 
     def __init__(self, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
                  state: dict[str, Any] | None = None) -> None:
-        import multiprocessing as mp
-        from dataclasses import asdict
-
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not daemonic: reward scoring may start processes of its own.
@@ -265,7 +263,6 @@ def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_di
 def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str,
            state: dict[str, Any] | None) -> None:
     """The child: build and start the controller, then answer rank 0 until stop or EOF."""
-    from realscale.parallel.spawn import die_with_parent
 
     die_with_parent()
     import torch

@@ -25,7 +25,9 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Union
 
-from realscale.data.dataset import PromptSample
+from realscale.data.dataset import PromptSample, score
+from realscale.reward import CodeReward, MathReward
+from realscale.reward.math_extract import extract_answer
 from realscale.reward.result import ERROR, OK, TIMEOUT, RewardResult
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,6 @@ def gym_answer(completion: str) -> str:
     tags = _ANSWER_TAG.findall(completion)
     if tags:
         return tags[-1].strip()
-    from realscale.reward.math_extract import extract_answer
 
     found = extract_answer(completion)
     return found[0] if found else completion.strip()
@@ -109,7 +110,6 @@ def gym_answer(completion: str) -> str:
 
 def gym_reward(prompt: str, completion: str, sample: PromptSample) -> float:
     """The gym task's own score (sync: :func:`call_reward` runs it in a thread)."""
-    from realscale.data.dataset import score
 
     return score(gym_answer(completion), sample)
 
@@ -127,8 +127,6 @@ def _pool(kind: str, cfg: Any) -> Any:
                cfg.code_sandbox_allow_weaker, cfg.code_python, cfg.code_uid_base)
     with _POOLS_LOCK:
         if key not in _POOLS:
-            from realscale.reward import CodeReward, MathReward
-
             _POOLS[key] = (MathReward if kind == "math" else CodeReward).from_config(cfg)
         return _POOLS[key]
 

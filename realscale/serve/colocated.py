@@ -53,10 +53,17 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from realscale.models.convert import local_params
+from realscale.parallel.device import comm_empty, local_device
+from realscale.parallel.mesh import Layout, Mesh, Strategy
+from realscale.parallel.model_spec import spec_from_hf_config
+from realscale.parallel.net import advertised_host
+from realscale.parallel.reshard import lower_bound_elems, plan_reshard
+from realscale.parallel.reshard_exec import Resharder
+from realscale.publish.weight_world import pack_megatron
 from realscale.serve.decoder import ShardedDecoder, TPComm
 from realscale.serve.ranks import RankWorker, ServerRanks, follow
 from realscale.serve.weights import RankWeights, read_hf_config
-from realscale.parallel.mesh import Layout, Mesh, Strategy
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -141,10 +148,6 @@ class ColocatedGeneration:
     def __init__(self, cfg: "Config", model_dir: str, engine: "MegatronEngine",
                  idle_while_generating: Sequence[Any | None] = ()) -> None:
         from realscale.publish.reshard import check_megatron_order
-        from realscale.parallel.device import local_device
-        from realscale.parallel.model_spec import spec_from_hf_config
-        from realscale.parallel.reshard import lower_bound_elems, plan_reshard
-        from realscale.parallel.reshard_exec import Resharder
 
         check_megatron_order(engine)
         self.rank, world = dist.get_rank(), dist.get_world_size()
@@ -184,7 +187,6 @@ class ColocatedGeneration:
         """The replica's first rank: an embedded server over this replica's ranks, paused
         until the first phase, on a port the OS picks; its URL."""
         from realscale.serve.server import EmbeddedServer, start_in_thread
-        from realscale.parallel.net import advertised_host
 
         g = cfg.generate
         ranks = ServerRanks.of_running(self.worker, self.ctl, max_len)
@@ -206,9 +208,6 @@ class ColocatedGeneration:
     def publish(self, engine: "MegatronEngine", version: int) -> dict[str, float]:
         """Every rank: the trainer's weights into the generation layout, tagged ``version``."""
         from realscale.publish.transport import sum_over_ranks
-        from realscale.models.convert import local_params
-        from realscale.parallel.device import comm_empty
-        from realscale.publish.weight_world import pack_megatron
 
         start = time.perf_counter()
         self._rss_train = proc_status_mb("VmRSS")  # after the update, before the generation memory returns

@@ -48,6 +48,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
+import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
@@ -56,8 +57,10 @@ from typing import Any, Callable
 
 import torch
 
-from realscale.serve.decoder import ShardedDecoder, TPComm
 from realscale.inference.weight_sync import WeightReceiver
+from realscale.parallel.device import rank_device, store_group
+from realscale.parallel.spawn import die_with_parent
+from realscale.serve.decoder import ShardedDecoder, TPComm
 from realscale.serve.weights import RankWeights, model_spec, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -212,7 +215,6 @@ def _split_payload(buf: torch.Tensor, bsz: int, width: int, n_moves: int) -> tup
 
 def _groups(store: Any, rank: int, tp: int, device: torch.device) -> tuple[Any, Any]:
     """The server's control (gloo) and tensor-parallel (device's backend) groups."""
-    from realscale.parallel.device import store_group
 
     prefix = torch.distributed.PrefixStore
     ctl = store_group(prefix("realscale-server/ctl", store), rank, tp, "gloo", IDLE_TIMEOUT)
@@ -224,8 +226,6 @@ def _groups(store: Any, rank: int, tp: int, device: torch.device) -> tuple[Any, 
 def _worker_main(port: int, rank: int, tp: int, model_dir: str, dtype: torch.dtype, device: str, max_slots: int,
                  max_len: int, threads: int, timeout_s: float) -> None:
     """Ranks 1..N-1: join the groups, load the shard, then follow rank 0 until told to stop."""
-    from realscale.parallel.spawn import die_with_parent
-    from realscale.parallel.device import rank_device
 
     die_with_parent()
     # Out of the server's process group: Ctrl-C or a launcher's SIGTERM to the group reach
@@ -276,7 +276,6 @@ class ServerRanks:
                  max_slots: int = 32, max_len: int = 2048, threads: int = 1, timeout_s: float = 300.0) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        from realscale.parallel.device import rank_device
 
         model_spec(read_hf_config(model_dir), tp, dtype)  # refuse a bad model or tp before spawning
         self._init_state(tp, max_len)
@@ -328,7 +327,6 @@ class ServerRanks:
     def _start_workers(self, model_dir: str, dtype: torch.dtype, device: str, dev: torch.device, max_slots: int,
                        max_len: int, threads: int, timeout_s: float) -> Any:
         """Spawn ranks 1..N-1 and form the groups; returns the tensor-parallel group."""
-        import multiprocessing as mp
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = torch.distributed.TCPStore("127.0.0.1", 0, self.tp, is_master=True, timeout=timeout,

@@ -35,17 +35,24 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 import uuid
 from typing import Any
 
+import torch
 from aiohttp import web
 
+from realscale.inference.sglang_reference import PINNED
+from realscale.inference.weight_sync import FLATTENED
+from realscale.models.tiny import resolve_model_path
 from realscale.serve import protocol as P
 from realscale.serve import weight_world_routes
 from realscale.serve.engine import Engine, Request, running_abort
 from realscale.serve.ranks import ServerRanks
-from realscale.inference.weight_sync import FLATTENED
+from realscale.serve.weights import read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +64,6 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
 def context_length_for(model_dir: str, requested: int) -> int:
     """The context a server of ``model_dir`` accepts: ``requested`` (0: 2048), at most the
     model's ``max_position_embeddings``."""
-    from realscale.serve.weights import read_hf_config
 
     return min(requested or 2048, int(read_hf_config(model_dir).get("max_position_embeddings", 2048)))
 
@@ -73,10 +79,7 @@ class EmbeddedServer:
         threads each; this process's own thread count is the caller's), or ``ranks`` that
         already run (a colocated trainer's, :meth:`ServerRanks.of_running`; its KV cache
         must hold ``context_length_for(model_path, context_length)`` tokens)."""
-        import torch
         from transformers import AutoTokenizer
-
-        from realscale.models.tiny import resolve_model_path
 
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -500,8 +503,6 @@ class EmbeddedServer:
         })
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        from realscale.inference.sglang_reference import PINNED
-
         stats = self.engine.stats()
         return web.json_response({
             **self.args, **stats, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
@@ -535,9 +536,6 @@ def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | No
     """Run until interrupted (or on ``sock``, a bound socket); returns the exit code: 1
     when a rank died (the server answers ``/health`` with 503 for ``exit_grace`` seconds,
     then exits, so launchers and clients route around it), else 0."""
-    import signal
-    import sys
-    import threading
 
     def exit_soon(reason: str) -> None:
         print(f"realscale serve: tensor-parallel {reason}; the server is unhealthy and exits", file=sys.stderr,
@@ -554,7 +552,6 @@ def serve(server: EmbeddedServer, host: str | None = "127.0.0.1", port: int | No
 
 def start_in_thread(server: EmbeddedServer, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Any]:
     """Serve in a background thread (tests, benchmarks); returns (base URL, stop function)."""
-    import threading
 
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)

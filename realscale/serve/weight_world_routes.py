@@ -30,22 +30,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from aiohttp import web
 
+from realscale.parallel.mesh import LayoutError
+from realscale.publish.weight_world import WorldMember, WorldSpec, plan_for
 from realscale.serve import protocol as P
 
 if TYPE_CHECKING:
-    from realscale.serve.ranks import RankWorker
-    from realscale.serve.server import EmbeddedServer
     from realscale.parallel.model_spec import ModelSpec
     from realscale.publish.weight_world import WorldSpec
+    from realscale.serve.ranks import RankWorker
+    from realscale.serve.server import EmbeddedServer
 
 KEY = "weight_world"  # where a rank keeps its WorldMember (worker.extras)
 
 
 def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSpec", device_type: str) -> None:
     """Raise ValueError saying why a server of ``ranks`` ranks cannot join ``world``."""
-    from realscale.publish.weight_world import plan_for
 
     if world.backend == "nccl" and device_type != "cuda":
         raise ValueError(f"the weight world uses nccl but this server runs on {device_type}")
@@ -62,14 +64,11 @@ def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSp
 
 
 def check_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> None:
-    from realscale.publish.weight_world import WorldSpec
-
     check_world(WorldSpec.from_json(world_json), rank_offset, worker.tp, worker.weights.spec, worker.device.type)
 
 
 def join_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> int:
     """Leave any previous world, join this one at ``rank_offset + tp_rank``; returns that rank."""
-    from realscale.publish.weight_world import WorldMember, WorldSpec
 
     leave_rank(worker)
     member = WorldMember(WorldSpec.from_json(world_json), rank_offset + worker.tp_rank, worker.weights.spec)
@@ -79,7 +78,6 @@ def join_rank(worker: "RankWorker", world_json: dict, rank_offset: int) -> int:
 
 def receive_rank(worker: "RankWorker", name: str) -> int:
     """Receive this rank's shard of the new weights into its flat buffer; returns bytes."""
-    import torch
 
     member = worker.extras.get(KEY)
     if member is None or member.world.name != name:
@@ -119,8 +117,6 @@ class WeightWorldRoutes:
         return await self.server._on_all_ranks(f"{__name__}:{fn}", *args, version=version)
 
     async def join(self, request: web.Request) -> web.Response:
-        from realscale.parallel.mesh import LayoutError
-
         what = "join_weight_world"
         body = P.check_object(await P.read_json(request), {"world", "rank_offset", "check_only"}, what)
         offset = P.require(body, "rank_offset", (int,), what)

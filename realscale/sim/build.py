@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from realscale.parallel.mesh import Layout, LayoutError, Mesh, Strategy
 from realscale.parallel.model_spec import ModelSpec
+from realscale.parallel.reshard import plan_reshard
 from realscale.planner import cost as C
 from realscale.planner.hardware import HardwareProfile
 from realscale.sim.des import ServerModel, SimConfig, SimError, SimResult, TrainerModel, simulate
@@ -104,7 +105,6 @@ def trainer_model(spec: ModelSpec, hw: HardwareProfile, s: Strategy, *, train_mb
 
 @functools.lru_cache(maxsize=256)
 def _reshard(spec: ModelSpec, src: Layout, dst: Layout, gpn: int):  # noqa: ANN202 - ReshardPlan (deferred import)
-    from realscale.parallel.reshard import plan_reshard
 
     return plan_reshard(spec, src, dst, gpn)
 

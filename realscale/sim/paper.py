@@ -36,10 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from realscale.parallel.mesh import Strategy
+from realscale.launcher.calibrate import nelder_mead
+from realscale.parallel.mesh import Cluster, Strategy
 from realscale.parallel.model_spec import known_model
+from realscale.planner.cost import Workload as PlanWorkload
 from realscale.planner.hardware import Efficiency, HardwareProfile, Source, builtin_profile
+from realscale.planner.plan import plan_from_search
+from realscale.planner.search import Problem, default_roles, search
 from realscale.sim.build import RunLayout, Scenario
+from realscale.sim.recipe import layout_from_plan
 from realscale.sim.workload import Lognormal, Workload
 
 PAPER = "AReaL, arXiv 2505.24298"
@@ -187,7 +192,6 @@ def calibrate(gpu: str = "H800", iters: int = 150, sample: float = 0.25, max_eva
     ``start``; every simulation has a fixed seed, so the search is deterministic).
     ``max_evals`` (> 0) stops it after that many distinct evaluations and keeps the best
     point seen."""
-    from realscale.launcher.calibrate import nelder_mead
 
     base = builtin_profile(gpu)
     x0 = np.array(start, np.float64)
@@ -261,11 +265,6 @@ def mean_answer_len(cal: Calibrated, max_new: int) -> int:
 def planner_layout(cal: Calibrated, size: str, gpus: int, max_new: int, eta: int = ETA) -> tuple[RunLayout, Any]:
     """The planner's plan (``realscale plan``: both modes searched) for the same workload
     and the same calibrated H800, as a simulator layout."""
-    from realscale.parallel.mesh import Cluster
-    from realscale.planner.cost import Workload as PlanWorkload
-    from realscale.planner.plan import plan_from_search
-    from realscale.planner.search import Problem, default_roles, search
-    from realscale.sim.recipe import layout_from_plan
 
     w = PlanWorkload(BATCH, N_SAMPLES, PROMPT_LEN, max_new, mean_answer_len(cal, max_new), max_staleness=eta)
     problem = Problem(known_model(SETUPS[size].name), Cluster(gpus // GPUS_PER_NODE, GPUS_PER_NODE), cal.profile.gpu,

@@ -22,12 +22,24 @@ from typing import Any
 
 import numpy as np
 
+from realscale.data.tokens import prompt_ids
+from realscale.launcher.render import model_spec_for
+from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolve_model_path
 from realscale.parallel.mesh import Strategy
-from realscale.parallel.model_spec import ModelSpec, spec_from_hf_config
+from realscale.parallel.model_spec import ModelSpec, spec_from_hf_config, transformer_spec
 from realscale.planner.hardware import HardwareProfile
 from realscale.sim.build import RunLayout, Scenario
-from realscale.sim.workload import (AcceptAll, AcceptFraction, Histogram, LengthDist, Lognormal, TaskMix,
-                                    Workload, WorkloadError)
+from realscale.sim.workload import (
+    AcceptAll,
+    AcceptFraction,
+    Histogram,
+    LengthDist,
+    Lognormal,
+    TaskMix,
+    Workload,
+    WorkloadError,
+)
+from realscale.tasks.arith import task_from_config
 
 CALIBRATION_JSON = os.path.join("benchmarks", "results", "sim_calibration.json")
 
@@ -36,8 +48,6 @@ def cpu_model_spec(cfg: Any) -> ModelSpec:
     """The recipe's model: a local HF directory or built-in tiny model, or (``sft``) the
     warm start's architecture from the ``sft`` section (a tiny Qwen2 over the byte
     tokenizer, as ``realscale sft`` builds it; nothing is built here)."""
-    from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolve_model_path
-    from realscale.parallel.model_spec import transformer_spec
 
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     path = cfg.model.path
@@ -54,10 +64,6 @@ def task_prompt_len(cfg: Any) -> int:
     """Mean prompt tokens of a ``task:`` source (chat template included, tiny byte tokenizer)."""
     from transformers import AutoTokenizer
 
-    from realscale.models.tiny import resolve_model_path
-    from realscale.data.tokens import prompt_ids
-    from realscale.tasks.arith import task_from_config
-
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
     problems = task_from_config(cfg.data).split("train")[:200]
     return round(float(np.mean([len(prompt_ids(tok, p.prompt)) for p in problems])))
@@ -66,7 +72,6 @@ def task_prompt_len(cfg: Any) -> int:
 def task_mix(cfg: Any, worked: float | None = None) -> TaskMix:
     """The task's answers (one token per character, plus end-of-sequence), worked out with
     probability ``worked`` (default: the warm start's ``data.task_worked_fraction``)."""
-    from realscale.tasks.arith import task_from_config
 
     problems = task_from_config(cfg.data).split("train")
     w = cfg.data.task_worked_fraction if worked is None else worked
@@ -118,8 +123,6 @@ def scenario_from_config(cfg: Any, hw: HardwareProfile, *, plan: Any = None, len
     """The recipe's run under ``hw`` (a GPU recipe needs ``plan``; see the module docstring)."""
     gpu_job = cfg.launch.gpus_per_node > 0
     if gpu_job:
-        from realscale.launcher.render import model_spec_for
-
         if plan is None:
             raise WorkloadError("a GPU recipe needs a plan (parallel.plan, --plan, or --gpus)")
         spec = model_spec_for(cfg)

@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from realscale.launcher.calibrate import robust_line as fit
 from realscale.planner.hardware import Source
 from realscale.sim.workload import WorkloadError
 
@@ -69,7 +70,6 @@ class LinkCost:
 
 def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept, slope) of ``y = a + b x``: :func:`realscale.launcher.calibrate.robust_line`."""
-    from realscale.launcher.calibrate import robust_line as fit
 
     try:
         return fit(points)

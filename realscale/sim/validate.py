@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from realscale.planner.hardware import HardwareProfile
+from realscale.planner.hardware import HardwareProfile, load_profile
 from realscale.sim.build import Scenario
+from realscale.sim.recipe import scenario_from_config, task_mix
 from realscale.sim.workload import AcceptAll, Reliability, TaskMix, Workload
 
 BENCH_ASYNC = "benchmarks/results/async_vs_sync_seeds1-10.json"
@@ -110,7 +111,6 @@ def recipe_scenario(recipe: str, hw: HardwareProfile, stats: WorkloadStats,
     """The recipe's run on ``hw`` with the workload of its measured runs (a ``task:``
     recipe's answers fitted to ``stats``; other recipes keep their length distribution)."""
     from realscale.config import load_config
-    from realscale.sim.recipe import scenario_from_config, task_mix
 
     cfg = load_config(recipe, overrides or [])
     sc = scenario_from_config(cfg, hw, plan=plan)
@@ -173,8 +173,6 @@ def predict_default_step(hw: HardwareProfile, run: dict[str, Any], seeds: int = 
 
 
 def validate(profile_path: str = CPU_PROFILE, bench_path: str = BENCH_ASYNC, run_path: str = DEFAULT_RUN) -> dict:
-    from realscale.planner.hardware import load_profile
-
     hw = load_profile(profile_path)
     with open(bench_path, encoding="utf-8") as fh:
         bench = json.load(fh)

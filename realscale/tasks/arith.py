@@ -33,6 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from realscale.data.tokens import observation_ids
+from realscale.data.tokens import prompt_ids as workflow_prompt_ids
+from realscale.reward.math_extract import extract_answer
+from realscale.reward.math_fast import fast_check
+from realscale.tasks.long_tail import LongTailTask
+
 TASK_PREFIX = "task:"
 OPS = ("+", "-")
 
@@ -120,8 +126,6 @@ def task_from_config(data_cfg: Any) -> Any:
     ``task_*`` knobs). Every task has ``split(name)`` -> problems with ``prompt``,
     ``answer`` (the direct answer), ``worked()`` (the worked answer) and ``metadata``."""
     if data_cfg.source == TASK_PREFIX + "long_tail":
-        from realscale.tasks.long_tail import LongTailTask  # it imports nothing from here: no cycle
-
         return LongTailTask.from_config(data_cfg)
     return ArithTask(max_operand=data_cfg.task_max_operand, ops=data_cfg.task_ops,
                      heldout_size=data_cfg.task_heldout, seed=data_cfg.task_seed)
@@ -158,7 +162,6 @@ def resolve_task_source(source: str, task: Any, out_dir: str, split: str = "trai
 
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """The prompt as the RL workflow sends it (one definition: the workflow's)."""
-    from realscale.data.tokens import prompt_ids as workflow_prompt_ids
 
     return workflow_prompt_ids(tokenizer, prompt)
 
@@ -186,7 +189,6 @@ def encode_tool_example(tokenizer: Any, problem: Any, use_tool: bool = True) -> 
     ``<calc>47+38</calc>``, the tool answers ``<result>85</result>`` (mask 0), the model
     answers ``<answer>85</answer>``; without: the model answers at once. Every model
     turn ends with EOS, as the servers return it."""
-    from realscale.data.tokens import observation_ids
 
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; the answer could never end")
@@ -210,8 +212,6 @@ def is_correct(completion: str, reference: str) -> bool:
     """The RL reward's verdict, in process: final answer extracted as the math reward does,
     compared exactly. Answers of this task are integers, which the reward's fast path
     always decides; anything it cannot decide is not an integer, hence wrong."""
-    from realscale.reward.math_extract import extract_answer
-    from realscale.reward.math_fast import fast_check
 
     found = extract_answer(completion)
     if found is None:

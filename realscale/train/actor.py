@@ -23,14 +23,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from realscale.algo.advantages import grpo_advantages, loo_advantages, masked_moments, normalize_by_moments
+from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
 from realscale.train.batch import PackedBatch
+from realscale.train.batch_scatter import StageNeeds
 from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
-    from realscale.train.batch_scatter import StageNeeds
     from realscale.data.groups import Group
+    from realscale.train.batch_scatter import StageNeeds
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
     from realscale.train.reference import ReferenceEngine
@@ -38,7 +42,6 @@ if TYPE_CHECKING:
 
 def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "AlgoConfig") -> torch.Tensor:
     """One advantage per trajectory from its group's rewards."""
-    from realscale.algo.advantages import grpo_advantages, loo_advantages
 
     if algo.adv_estimator == "loo":
         return loo_advantages(rewards, cu_groups=cu_groups)
@@ -117,7 +120,6 @@ def broadcast_batch(batch: PackedBatch | None, src: int = 0) -> PackedBatch:
     """Rank ``src``'s whole batch on every trainer rank, pickled (``broadcast_object_list``).
     The path :class:`~realscale.train.batch_scatter.BatchScatter` replaced in the RL
     loop; tests and ``benchmarks/bench_batch_transfer.py`` compare with it."""
-    import torch.distributed as dist
 
     holder = [batch.to_payload() if batch is not None else None]
     if dist.get_world_size() > 1:
@@ -145,7 +147,6 @@ def stage_needs(algo: "AlgoConfig") -> "StageNeeds":
 
     Proximal and reference log-probs and the critic's values are computed on every rank,
     never sent; the token versions stay on the driver (nothing in the update reads them)."""
-    from realscale.train.batch_scatter import StageNeeds
 
     every = ["loss_mask"]
     last = ["input_ids", *LOSS_FIELDS]
@@ -159,7 +160,6 @@ def stage_needs(algo: "AlgoConfig") -> "StageNeeds":
 
 def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
     """The decoupled PPO objective (ARCHITECTURE.md, step 2) as the engine's loss function."""
-    from realscale.algo.losses import loss_kwargs_from_config, ppo_loss
 
     kwargs = loss_kwargs_from_config(algo)
 
@@ -175,8 +175,6 @@ def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
 
 
 def normalizer_fn(algo: "AlgoConfig") -> "NormalizerFn":
-    from realscale.algo.losses import loss_normalizer
-
     return lambda mb: loss_normalizer(mb.fields["loss_mask"], mb.cu_seqlens, algo.loss_agg)
 
 
@@ -191,9 +189,6 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
 def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:
     """Advantages of every share normalised with the global batch's moments (this rank's
     shares summed, then all-reduced over data-parallel ranks)."""
-    import torch.distributed as dist
-
-    from realscale.algo.advantages import masked_moments, normalize_by_moments
 
     moments = sum(masked_moments(s.fields["advantages"], s.fields["loss_mask"]) for s in shares)
     if dp_group is not None:

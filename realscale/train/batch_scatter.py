@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from realscale.parallel.device import comm_device, to_comm
 from realscale.train.batch import PackedBatch
@@ -118,8 +119,6 @@ class BatchScatter:
     :class:`~realscale.parallel.megatron_state.RankInfo`."""
 
     def __init__(self, ranks: "RankInfo", needs: StageNeeds, backend: str | None = None) -> None:
-        import torch.distributed as dist
-
         self.ranks, self.needs = ranks, needs
         self.backend = backend or dist.get_backend()
         self.rank = dist.get_rank()
@@ -172,7 +171,6 @@ class BatchScatter:
     def scatter(self, shares: Sequence[Sequence[PackedBatch]] | None) -> tuple[list[PackedBatch], ScatterStats]:
         """This rank's share of every mini-batch. ``shares[d][m]`` (driver only; None
         elsewhere) is DP group ``d``'s share of mini-batch ``m``."""
-        import torch.distributed as dist
 
         r = self.ranks
         if self.rank == DRIVER and (shares is None or len(shares) != r.dp):
@@ -278,15 +276,12 @@ def _account(stats: ScatterStats, header: tuple[torch.Tensor, ...], bufs: list[d
 
 def _send(parts: list[dict[str, torch.Tensor]], keys: tuple[str, ...], dst: int, backend: str) -> list[Any]:
     """Header, then every part of every share, to ``dst`` (asynchronous: the works)."""
-    import torch.distributed as dist
 
     msgs = [*_header_tensors(parts, keys, backend), *(to_comm(p[k], backend) for p in parts for k in keys)]
     return [dist.isend(t, dst) for t in msgs]
 
 
 def _recv(src: int, backend: str, stats: ScatterStats) -> list[dict[str, torch.Tensor]]:
-    import torch.distributed as dist
-
     device = comm_device(backend)
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, src)
@@ -303,7 +298,6 @@ def _recv(src: int, backend: str, stats: ScatterStats) -> list[dict[str, torch.T
 def _tp_broadcast(parts: list[dict[str, torch.Tensor]] | None, keys: tuple[str, ...], r: "RankInfo",
                   backend: str, stats: ScatterStats) -> list[dict[str, torch.Tensor]]:
     """The TP-rank-0 process's ``keys`` of ``parts`` on every rank of its TP group."""
-    import torch.distributed as dist
 
     group, sending = r.tp_group, r.tp_rank == 0
     src = dist.get_process_group_ranks(group)[0]
@@ -329,7 +323,6 @@ def _tp_broadcast(parts: list[dict[str, torch.Tensor]] | None, keys: tuple[str, 
 
 def _positions(ranks: "RankInfo", backend: str) -> list[tuple[int, int, int]]:
     """(dp, pp, tp) of every global rank, gathered once."""
-    import torch.distributed as dist
 
     mine = torch.tensor([ranks.dp_rank, ranks.pp_rank, ranks.tp_rank], dtype=torch.int64)
     world = dist.get_world_size()

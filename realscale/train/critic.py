@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from realscale.algo.gae import gae
+from realscale.algo.value import value_loss
 from realscale.train.batch import PackedBatch
 from realscale.train.engine import EngineConfig, LossFn, MegatronEngine
 
@@ -95,7 +97,6 @@ def token_rewards(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, rewards: li
 
 def gae_advantages(critic: CriticEngine, share: PackedBatch, algo: "AlgoConfig") -> None:
     """Add ``values``, ``advantages`` and ``returns`` to ``share`` (GAE over its trained tokens)."""
-    from realscale.algo.gae import gae
 
     f = share.fields
     f["values"] = critic.values(share)
@@ -105,7 +106,6 @@ def gae_advantages(critic: CriticEngine, share: PackedBatch, algo: "AlgoConfig")
 
 def value_loss_fn(critic_cfg: "CriticConfig") -> LossFn:
     """The clipped value loss as the engine's loss function."""
-    from realscale.algo.value import value_loss
 
     def loss(values: torch.Tensor, mb: PackedBatch, normalizer: torch.Tensor
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -24,14 +24,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
+from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
+from realscale.models.family import load_arch
+from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
 from realscale.parallel.device import local_device, to_comm
+from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
+from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.train.batch import PackedBatch, block_causal_mask
+from realscale.train.logprobs import logprobs_from_hidden, next_token_targets
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -118,10 +126,6 @@ class MegatronEngine:
     def __init__(self, ec: EngineConfig, *, shared_layout: bool = False) -> None:
         """``shared_layout``: megatron's groups are already up for this layout (a second
         model on the same ranks, e.g. the critic beside the actor); keep them."""
-        from realscale.models.convert import load_hf_weights
-        from realscale.models.family import load_arch
-        from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
-        from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 
         self.ec = ec
         if not shared_layout:
@@ -150,8 +154,11 @@ class MegatronEngine:
     # ------------------------------------------------------------------ setup
 
     def _build_optimizer(self) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -231,8 +238,6 @@ class MegatronEngine:
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Aligned per-token log-probs (see :mod:`realscale.train.batch`) on the last stage."""
         from megatron.core import tensor_parallel
-
-        from realscale.train.logprobs import logprobs_from_hidden, next_token_targets
 
         if self.ec.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
@@ -325,7 +330,6 @@ class MegatronEngine:
         """``[T, vocab]`` fp32 logits (row j predicts token j+1) on the last stage's
         ranks, ``None`` elsewhere. Materialises the whole vocabulary: for checks and
         small batches; training uses the chunked :meth:`logprobs`."""
-        import torch.distributed as dist
         from megatron.core import tensor_parallel
 
         self.module.eval()
@@ -361,8 +365,6 @@ class MegatronEngine:
         return out
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         if self.ec.pp == 1:
             return tensor
         t = to_comm(tensor, dist.get_backend())  # NCCL: collectives take tensors on this GPU
@@ -377,7 +379,6 @@ class MegatronEngine:
         are the aligned per-token log-probs with gradient and ``normalizer`` is the
         global total of ``normalizer_fn`` over every micro-batch and DP rank.
         """
-        import torch.distributed as dist
 
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (lr=None)")
@@ -418,7 +419,6 @@ class MegatronEngine:
         """Loss terms (:data:`SUMMED_STATS`): summed over micro-batches and DP ranks (each
         is a share of the global mean); other stats: mean over micro-batches and ranks.
         Sent from the last stage."""
-        import torch.distributed as dist
 
         keys = sorted(results[0]) if results else []
         if self.ec.pp > 1:
@@ -468,9 +468,7 @@ class MegatronEngine:
         """Model, optimizer, scheduler, step and RNG (+ ``extra``, e.g. data position) into
         ``ckpt_dir`` with megatron's distributed checkpointing; every rank calls it. The
         directory is written under a temporary name and renamed when complete."""
-        import shutil
 
-        import torch.distributed as dist
         from megatron.core import dist_checkpointing, tensor_parallel
 
         tmp = ckpt_dir.rstrip("/") + ".tmp"
@@ -516,8 +514,6 @@ class MegatronEngine:
         self.step_count = int(common["step_count"])
         layout = common["layout"]
         if (layout["tp"], layout["pp"], layout["dp"]) == (self.ec.tp, self.ec.pp, self.ranks.dp):
-            import torch.distributed as dist
-
             # RNG streams map 1:1 only within the same layout; elsewhere the seeds stand.
             rng = torch.load(os.path.join(ckpt_dir, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False)
             torch.set_rng_state(rng["cpu"])
@@ -527,8 +523,6 @@ class MegatronEngine:
     # ------------------------------------------------------------------ weights out
 
     def export_groups(self) -> Any:
-        from realscale.models.convert import ExportGroups
-
         r = self.ranks
         return ExportGroups(tp_group=r.tp_group if r.tp > 1 else None, pp_group=r.pp_group,
                             pp_ranks=r.pp_ranks, pp_rank=r.pp_rank,
@@ -537,7 +531,6 @@ class MegatronEngine:
     def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None) -> Iterator[list]:
         """HF-named full tensors in buckets, yielded on global rank 0; every rank of the
         trainer must iterate it to the end (there are collectives inside)."""
-        from realscale.models.convert import export_hf_weights
 
         if self.ranks.dp_rank != 0:
             return iter(())
@@ -547,19 +540,14 @@ class MegatronEngine:
     def hf_weight_bytes(self) -> int:
         """Bytes of the full HF-named weights in the parameter dtype (what one whole copy
         of the model moves)."""
-        from realscale.parallel.model_spec import spec_from_hf_config
 
         itemsize = torch.empty((), dtype=self.config.params_dtype).element_size()
         return spec_from_hf_config(self.hf_config, itemsize=itemsize, vocab_multiple=1).param_bytes()
 
     def save_hf(self, out_dir: str) -> None:
         """Write an HF safetensors directory of the current weights (rank 0 writes)."""
-        import shutil
-
-        from realscale.models.convert import save_hf
 
         buckets = self.export_hf_weights(bucket_bytes=256 << 20)
-        import torch.distributed as dist
 
         if dist.get_rank() == 0:
             save_hf(buckets, out_dir, self.hf_config)

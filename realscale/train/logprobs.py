@@ -48,8 +48,10 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from realscale.algo.packed import check_1d, check_cu_seqlens
 from realscale.algo.sampling import token_logprobs
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps the import lazy and None allowed
@@ -100,7 +102,6 @@ def _group_rank_world(tp_group: ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) in the TP group; ``None`` means no TP: the shard is the whole vocabulary."""
     if tp_group is None:
         return 0, 1
-    import torch.distributed as dist
 
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
@@ -118,7 +119,6 @@ def _all_reduce(x: Tensor, op: str, group: ProcessGroup | None) -> None:
     """In-place all_reduce over the TP group; a no-op without one."""
     if group is None:
         return
-    import torch.distributed as dist
 
     if dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=group)
@@ -389,8 +389,6 @@ def reference_logprobs(logits_shard: Tensor, targets: Tensor, *, temperature: fl
     full = logits_shard
     _, world = _group_rank_world(tp_group)
     if world > 1:
-        import torch.distributed as dist
-
         parts = [torch.empty_like(logits_shard) for _ in range(world)]
         dist.all_gather(parts, logits_shard.contiguous(), group=tp_group)
         full = torch.cat(parts, dim=1)
@@ -409,7 +407,6 @@ def next_token_targets(tokens: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tens
     next token: its target is set to that position's own token (any in-range id does, it
     keeps the id check meaningful) and ``valid`` is False there, so the caller masks it.
     """
-    from realscale.algo.packed import check_1d, check_cu_seqlens
 
     check_1d("tokens", tokens)
     check_cu_seqlens(cu_seqlens, tokens.numel())

@@ -46,8 +46,14 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from realscale.algo.kl import masked_kl_sum
 from realscale.config import ConfigError
+from realscale.models.convert import load_hf_weights
+from realscale.models.family import load_arch
+from realscale.models.tiny import BUILTIN, resolve_model_path
+from realscale.parallel.device import to_comm
 from realscale.train.batch import PackedBatch
 from realscale.train.engine import EngineConfig, MegatronEngine
 
@@ -64,8 +70,6 @@ def reference_model_dir(cfg: "Config", model_dir: str) -> str:
     """The reference's HF directory: ``model.ref_path`` (a directory or built-in tiny name)
     or the policy's starting ``model_dir``; a one-line ConfigError when it is missing or
     not the policy's architecture."""
-    from realscale.models.family import load_arch
-    from realscale.models.tiny import BUILTIN, resolve_model_path
 
     path = cfg.model.ref_path
     if not path:
@@ -132,7 +136,6 @@ class ReferenceEngine(MegatronEngine):
         if self._host:
             torch.cuda.synchronize()
         else:  # CPU: nothing was kept, read the weights again
-            from realscale.models.convert import load_hf_weights
 
             with torch.no_grad():
                 load_hf_weights(self.model, self.ec.model_path, self.arch, self.ranks.tp_rank, self.ec.tp)
@@ -159,10 +162,6 @@ def measured_kl(shares: list[PackedBatch], policy_key: str, algo: "AlgoConfig", 
     """Mean KL(policy || reference) per trained token over the global batch: the shares of
     this rank, summed over data-parallel ranks (``policy_key``: the policy's log-probs
     field, taken before any update)."""
-    import torch.distributed as dist
-
-    from realscale.algo.kl import masked_kl_sum
-    from realscale.parallel.device import to_comm
 
     total = torch.zeros(2, dtype=torch.float64)
     for s in shares:

@@ -32,8 +32,8 @@ if ! [[ $n =~ ^[1-9]$ ]]; then
   exit 2
 fi
 cpus=${RS_CLUSTER_CPUS:-$(nproc)}
-slurmd_timeout=${RS_CLUSTER_SLURMD_TIMEOUT:-6}
-message_timeout=${RS_CLUSTER_MESSAGE_TIMEOUT:-5}
+slurmd_timeout=${RS_CLUSTER_SLURMD_TIMEOUT:-4}
+message_timeout=${RS_CLUSTER_MESSAGE_TIMEOUT:-3}
 start_ns=$(date +%s%N)
 
 # --- can this machine do it? ------------------------------------------------------------

@@ -94,7 +94,11 @@ def expand_hostlist(text: str) -> list[str]:
 def slurm_hostnames(nodelist: str) -> list[str]:
     """The hosts of a Slurm nodelist, as Slurm itself expands them."""
     if shutil.which("scontrol"):
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=30)
+        except OSError:  # found on PATH but not runnable: our parser knows Slurm's syntax
+            return expand_hostlist(nodelist)
         if out.returncode == 0 and out.stdout.split():
             return out.stdout.split()
     return expand_hostlist(nodelist)

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
-from realscale.launcher.dist_env import DistEnv, _free_port, derive, job_key, rendezvous
+from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 from realscale.parallel.device import cuda_usable
-from realscale.parallel.net import advertised_host
+from realscale.parallel.net import advertised_host, free_port
 
 
 def _threads(denv: DistEnv) -> int:
@@ -104,7 +104,7 @@ def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     free on this node now (a small race with other processes of the node)."""
 
     check_sglang_version()
-    port = _free_port()
+    port = free_port("")
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
     cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
                          max_running_requests=int(gen["max_running_requests"]),
@@ -126,7 +126,7 @@ def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int
     g = GenerateConfig(**gen)
     on_gpu = torch.cuda.is_available()
     check_model(spec.model_dir, on_gpu)
-    port = _free_port()
+    port = free_port("")
     env = vllm_env(g, on_gpu=on_gpu)
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp))

@@ -300,7 +300,7 @@ class SlurmBackend:
         """The supervisor's own output (sbatch --output, wherever it is) appears in the
         run's logs/ too, as batch-<job id>.out, so that every role's log is in one place."""
         job = self.env.get("SLURM_JOB_ID")
-        if not job:
+        if not job or not shutil.which("scontrol"):  # a convenience: no link where Slurm's tools are absent
             return
         res = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=60)
         stdout = [f.split("=", 1)[1] for f in res.stdout.split() if f.startswith("StdOut=")]

@@ -134,7 +134,9 @@ def test_a_colocated_plan_is_one_step_of_trainer_tasks(tmp_path: Path, monkeypat
     # what the backend would run: one srun, a task per trainer rank
     started: list[list[str]] = []
     monkeypatch.setattr(slurm, "start_step", lambda name, cmd, log, env: started.append(cmd))
-    monkeypatch.setattr(slurm.shutil, "which", lambda _: "/usr/bin/srun")
+    # srun "found"; nothing else (scontrol absent, as on a machine without Slurm: the node
+    # list is then expanded by our own parser)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/srun" if name == "srun" else None)
     backend = slurm.SlurmBackend(tiny, str(tmp_path / "run"), env={"SLURM_JOB_NODELIST": "vm", "SLURM_JOB_ID": "7"})
     backend.start_ranks(print, 2, ({}, "m", [], str(tmp_path / "run")))
     assert len(started) == 1 and "--ntasks=2" in started[0] and "--job-name=rs-trainer" in started[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 
 import pytest
 
@@ -28,14 +27,18 @@ def server(_server):
     url, srv = _server
 
     async def reset() -> None:
+        # The previous test's requests may still be on the server (its client has gone, and
+        # the server notices closed connections asynchronously; a request can also sit
+        # between the HTTP handler and the scheduler), and a flushing load refuses while
+        # any run. An abort pause ends every one of them first, and a request that arrives
+        # during the pause does not block the flush (SGLang's rule, which the server keeps).
         async with InferenceClient([url]) as client:
-            await client.update_weights_from_disk(srv.model_path, 0)
+            await client.pause("abort")
+            try:
+                await client.update_weights_from_disk(srv.model_path, 0)
+            finally:
+                await client.resume()
 
-    # The previous test's client has gone; the server aborts its requests as it notices the
-    # closed connections (asynchronously), and a flushing load refuses while any remain.
-    deadline = time.monotonic() + 60
-    while (srv.engine.running or srv.engine.waiting) and time.monotonic() < deadline:
-        time.sleep(0.05)
     asyncio.run(reset())
     return url, srv
 

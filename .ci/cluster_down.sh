@@ -14,17 +14,13 @@ if [ -s "$RS_STATE/run/slurmctld.pid" ] && kill -0 "$(cat "$RS_STATE/run/slurmct
   SLURM_CONF=$RS_CONF timeout 10 scancel --full --quiet --user root 2>/dev/null || true
 fi
 
-# daemons: slurmd first (they and their steps), then the controller, by pid file; then
-# anything left inside the namespaces
-for pidfile in "$RS_STATE"/run/slurmd.*.pid; do
-  [ -e "$pidfile" ] && rs_stop_pidfile "$pidfile"
-done
-rs_stop_pidfile "$RS_STATE/run/slurmctld.pid"
+# daemons by pid file, then anything left inside the namespaces (steps, tasks)
+rs_stop_pidfiles "$RS_STATE"/run/slurmd.*.pid "$RS_STATE/run/slurmctld.pid"
 for ns in $(rs_namespaces); do
   rs_kill_ns_procs "$ns"
 done
 # munged of this cluster only (its own socket and pid file; /run/munge is slurm_up.sh's)
-rs_stop_pidfile "$RS_STATE/munge/munged.pid"
+rs_stop_pidfiles "$RS_STATE/munge/munged.pid"
 
 for ns in $(rs_namespaces); do
   ip netns del "$ns" 2>/dev/null || true

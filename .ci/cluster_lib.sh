@@ -7,18 +7,21 @@
 # root namespace) without a clash. The PID and mount namespaces and the filesystem stay
 # shared, as a cluster shares its storage.
 #
-#   bridge  rs-br0       10.211.0.1/24   (root namespace: sinfo, sbatch, srun run from here)
+#   bridge  rs-br0       10.211.0.1/24   rs-host: the root namespace (sinfo, sbatch, srun run here)
 #   rs-ctl               10.211.0.2      slurmctld
 #   rs-node1 .. rs-nodeN 10.211.0.11 ..  slurmd -N rs-nodeI
 #
 # No namespace has a default route and the host does not forward: traffic stays between
 # these namespaces and the bridge.
 
+export PATH=$PATH:/usr/sbin:/sbin   # ip, slurmd, slurmctld, munged live there; some shells lack it
+
 RS_STATE=${RS_CLUSTER_STATE:-/var/lib/realscale-cluster}   # config, spool, state, logs
 RS_RUN=/run/realscale-cluster                              # persistent UTS namespaces
 RS_CONF=$RS_STATE/slurm.conf
 RS_BRIDGE=rs-br0
 RS_NET=10.211.0                # a /24 used only by these namespaces and the bridge
+RS_HOST=rs-host              # the root namespace, as the nodes see it
 RS_HOST_IP=$RS_NET.1
 RS_CTL=rs-ctl
 RS_CTL_IP=$RS_NET.2
@@ -86,15 +89,21 @@ rs_start_slurmd() {  # slurmd for node $1, inside its namespaces
   rs_in "$node" slurmd -N "$node" -f "$RS_CONF"
 }
 
-# Stop one daemon by pid file: TERM, wait up to 5 s, then KILL.
-rs_stop_pidfile() {
-  local pidfile=$1 pid
-  [ -s "$pidfile" ] || return 0
-  pid=$(cat "$pidfile")
-  kill "$pid" 2>/dev/null || { rm -f "$pidfile"; return 0; }
-  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; return 0; }; sleep 0.1; done
-  kill -9 "$pid" 2>/dev/null || true
-  rm -f "$pidfile"
+# Stop daemons by pid file, all at once: TERM, wait up to 3 s for all, then KILL the rest
+# (slurmd takes seconds to exit on TERM; the state it would save is wiped anyway).
+rs_stop_pidfiles() {
+  local f pid pids=()
+  for f in "$@"; do
+    [ -s "$f" ] || continue
+    pid=$(cat "$f"); rm -f "$f"
+    kill "$pid" 2>/dev/null && pids+=("$pid")
+  done
+  [ ${#pids[@]} -gt 0 ] || return 0
+  for _ in $(seq 1 30); do
+    kill -0 "${pids[@]}" 2>/dev/null || return 0   # true while any of them lives
+    sleep 0.1
+  done
+  kill -9 "${pids[@]}" 2>/dev/null || true
 }
 
 # /etc/hosts may be a bind mount (containers): rewrite it in place, never rename over it.

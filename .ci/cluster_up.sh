@@ -34,6 +34,9 @@ fi
 cpus=${RS_CLUSTER_CPUS:-$(nproc)}
 slurmd_timeout=${RS_CLUSTER_SLURMD_TIMEOUT:-4}
 message_timeout=${RS_CLUSTER_MESSAGE_TIMEOUT:-3}
+for v in cpus slurmd_timeout message_timeout; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "$0: $v must be a positive integer, not '${!v}'" >&2; exit 2; }
+done
 start_ns=$(date +%s%N)
 
 # --- can this machine do it? ------------------------------------------------------------
@@ -74,6 +77,9 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   [ "$own_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
   [ "$installed" = 1 ] || unavailable "could not install slurmctld slurmd slurm-client munge with apt-get"
 fi
+for tool in slurmctld slurmd munged sbatch srun sinfo scontrol; do
+  command -v "$tool" >/dev/null || unavailable "no '$tool' command after installing Slurm and munge"
+done
 
 # --- from here on, a failure tears down what was made -----------------------------------
 bash "$here/cluster_down.sh" >/dev/null 2>&1 || true
@@ -102,9 +108,12 @@ for i in $(seq 1 "$n"); do
   rs_make_ns "$(rs_node_name "$i")" "$(rs_node_ip "$i")"
 done
 
-# names: every node resolves every other (and the controller) through /etc/hosts
+# names: every node resolves every other (and the controller) through /etc/hosts; rs-host
+# is the root namespace's end of the bridge (a service a test starts outside the nodes must
+# listen there, or on 0.0.0.0, to be reachable from them: a node's 127.0.0.1 is its own)
 rs_hosts_remove
 {
+  echo "$RS_HOST_IP $RS_HOST $RS_HOSTS_MARK"
   echo "$RS_CTL_IP $RS_CTL $RS_HOSTS_MARK"
   for i in $(seq 1 "$n"); do echo "$(rs_node_ip "$i") $(rs_node_name "$i") $RS_HOSTS_MARK"; done
 } >> /etc/hosts

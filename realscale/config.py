@@ -27,6 +27,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from realscale.errors import UserError
 
+# SGLang's pause modes (``/pause_generation``), the one list every engine maps onto: abort
+# (in-flight requests return their partial output), retract (they wait; KV recomputed under
+# the new weights), in_place (they wait and keep their KV).
+PAUSE_MODES = ("abort", "retract", "in_place")
+
 
 class ConfigError(UserError):
     """A bad config file, key, value or override. ``str()`` is one line for the user."""
@@ -268,7 +273,7 @@ class GenerateConfig:
             raise ConfigError(f"generate.backend=vllm with top_p={self.top_p}, top_k={self.top_k}: vLLM reports "
                               "log-probs after top-k/top-p truncation, the trainer before it; set top_p=1 and "
                               "top_k=-1, or use another backend")
-        _one_of("generate", "pause_mode", self.pause_mode, ("abort", "retract", "in_place"))
+        _one_of("generate", "pause_mode", self.pause_mode, PAUSE_MODES)
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
         _positive("generate", "tp", self.tp)

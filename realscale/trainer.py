@@ -54,15 +54,7 @@ from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import BatchScatter, ScatterStats
-from realscale.train.checkpoint import (
-    critic_dir,
-    disk_usage,
-    latest_checkpoint,
-    record_trained,
-    rotate_checkpoints,
-    save_checkpoint,
-    truncate_logs,
-)
+from realscale.train.checkpoint import Checkpointer, disk_usage, record_trained, truncate_logs
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
 from realscale.train.reference import reference_for
@@ -87,13 +79,10 @@ class Trainer:
         self.scatter = BatchScatter(self.engine.ranks, stage_needs(cfg.algo))
         self.clock = ComputeClock(*(m.config for m in (self.engine, self.critic, self.ref) if m is not None))
         self.step, self.version = 0, 0
-        self.resumed_from = latest_checkpoint(out_dir)
-        extra: dict[str, Any] = {}
+        self.checkpoints = Checkpointer(out_dir, cfg.run.keep_checkpoints, cfg.run.pin_checkpoints, self.is_driver)
+        self.resumed_from, extra = self.checkpoints.load(self.engine, self.critic)
         if self.resumed_from:
-            extra = self.engine.load(self.resumed_from)
             self.step, self.version = int(extra["step"]), int(extra["version"])
-            if self.critic is not None:
-                self.critic.load(critic_dir(self.resumed_from))
         self.colocated: ColocatedGeneration | None = None
         if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
             self.colocated = ColocatedGeneration(cfg, model_dir, self.engine, idle_while_generating=[self.ref])
@@ -215,9 +204,7 @@ class Trainer:
         extra: dict[str, Any] = {"step": self.step, "version": self.version}
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
-        save_checkpoint(self.engine, self.out_dir, self.step, extra, self.is_driver, critic=self.critic)
-        if self.is_driver:  # bounded storage: the new checkpoint is complete, older ones may go
-            rotate_checkpoints(self.out_dir, self.cfg.run.keep_checkpoints, self.cfg.run.pin_checkpoints)
+        self.checkpoints.save(self.engine, self.step, extra, critic=self.critic)
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

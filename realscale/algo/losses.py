@@ -40,7 +40,7 @@ benchmarks/bench_ppo_loss.py for the timings.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -48,6 +48,9 @@ from torch import Tensor
 from realscale import kernels
 from realscale.algo.kl import ESTIMATORS, kl_penalty
 from realscale.algo.packed import check_1d, check_cu_seqlens, check_same_device, seq_ids, segment_sum
+
+if TYPE_CHECKING:
+    from realscale.config import AlgoConfig
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 CAP_MODES = ("mask", "clamp")
@@ -320,7 +323,7 @@ def _loss_stats(logp: Tensor, prox: Tensor, behav: Tensor, valid: Tensor, ratio:
     return stats
 
 
-def loss_kwargs_from_config(cfg: Any) -> dict[str, Any]:
+def loss_kwargs_from_config(cfg: AlgoConfig) -> dict[str, Any]:
     """The :func:`ppo_loss` keyword arguments an :class:`~realscale.config.AlgoConfig` selects.
 
     (``logp_prox`` is the caller's business: pass it when ``cfg.decoupled``.)

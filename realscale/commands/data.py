@@ -32,10 +32,13 @@ def run(args: argparse.Namespace) -> int:
         if not records:
             raise ConvertError(f"{args.input}: no row could be converted\n{report.summary()}")
         train, held = split_heldout(records, args.heldout, args.seed)
-    except ConvertError as exc:
-        raise UsageError(str(exc)) from None
+    except OSError as exc:  # ConvertError and every other mistake in the input is a UserError
+        raise UsageError(f"{args.input}: {exc}") from None
     print(report.summary())
-    print(f"wrote {len(train)} rows to {write_records(train, args.out)}")
-    if held:
-        print(f"wrote {len(held)} held-out rows to {write_records(held, heldout_path(args.out))}")
+    try:
+        print(f"wrote {len(train)} rows to {write_records(train, args.out)}")
+        if held:
+            print(f"wrote {len(held)} held-out rows to {write_records(held, heldout_path(args.out))}")
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc}") from None
     return 0

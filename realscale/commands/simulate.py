@@ -93,13 +93,9 @@ def _plan(args: argparse.Namespace, cfg):  # noqa: ANN001, ANN202
 def run(args: argparse.Namespace) -> int:
     from realscale.cli import UsageError
     from realscale.config import load_config
-    from realscale.parallel.mesh import LayoutError
-    from realscale.planner.hardware import HardwareError
     from realscale.planner.plan import Plan
-    from realscale.sim.des import SimError
     from realscale.sim.recipe import parse_lengths, scenario_from_config
     from realscale.sim.transfer import batch_cost, weight_cost
-    from realscale.sim.workload import WorkloadError
 
     try:
         plan = None
@@ -120,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         eta = sc.eta if args.eta < 0 else args.eta
         results = {f"eta={eta}": sc.run(args.steps, args.warmup, args.seed, eta=eta),
                    "eta=0": sc.run(args.steps, args.warmup, args.seed, eta=0)}
-    except (OSError, LayoutError, HardwareError, SimError, WorkloadError) as exc:
+    except OSError as exc:  # a recipe, plan or profile file that is not there (every other
+        # mistake a user can make here is a UserError already: layout, hardware, sim, workload)
         raise UsageError(str(exc)) from None
     head = {"recipe": recipe, "layout": sc.layout.describe(), "gpus": sc.layout.gpus, "profile": hw.name,
             "model_params": sc.spec.n_params, "lengths": sc.workload.lengths.describe(),

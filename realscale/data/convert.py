@@ -51,6 +51,7 @@ import numpy as np
 from realscale.data.dataset import check_row, read_jsonl, read_parquet
 from realscale.reward.code_tests import parse_tests
 from realscale.reward.math_extract import last_boxed
+from realscale.errors import UserError
 
 FORMATS = ("gsm8k", "math", "deepscaler", "aime", "areal", "code", "recipe")
 TARGETS = ("rl", "sft")
@@ -59,7 +60,7 @@ Record = dict[str, Any]
 Converted = tuple[Record | None, str]
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
     """A source that cannot be converted at all (missing file, unknown layout)."""
 
 

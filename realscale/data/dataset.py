@@ -27,11 +27,14 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from realscale.errors import UserError
+
+if TYPE_CHECKING:
+    from realscale.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +288,7 @@ def _gym_scorer(task: str) -> Callable[..., float]:
     return get_score_answer_fn(task)
 
 
-def from_config(data_cfg: Any, *, seed: int, rank: int = 0, world: int = 1,
+def from_config(data_cfg: DataConfig, *, seed: int, rank: int = 0, world: int = 1,
                 prompt_len: Callable[[str], int] | None = None) -> PromptDataset:
     """The dataset that ``cfg.data`` describes (``seed``: ``cfg.run.seed``). The prompt
     length limit applies when ``prompt_len`` (a tokenizer's length) is given."""

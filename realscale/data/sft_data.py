@@ -26,23 +26,23 @@ import os
 from collections import Counter
 from typing import Any
 
-from realscale.data.tokens import prompt_ids
+from realscale.data.tokens import Tokenizer, prompt_ids
 
 Example = tuple[list[int], list[float]]
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: Tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_tokens(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The RL workflow's prompt layout, or the bare text for a model without a chat template."""
     if has_chat_template(tokenizer):
         return prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))
 
 
-def encode_pair(tokenizer: Any, prompt: str, response: str) -> Example:
+def encode_pair(tokenizer: Tokenizer, prompt: str, response: str) -> Example:
     """Prompt + response + EOS; the mask is 1 on the response and EOS."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; a response could never end")
@@ -52,7 +52,7 @@ def encode_pair(tokenizer: Any, prompt: str, response: str) -> Example:
     return head + tail, [0.0] * len(head) + [1.0] * len(tail)
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> Example | None:
+def encode_messages(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Example | None:
     """A whole chat; the mask is 1 on the assistant turns. None when the template does not
     render the conversation's prefixes as prefixes of the whole (the spans are unknown)."""
     full = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -70,7 +70,7 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> Example |
     return [int(t) for t in enc["input_ids"]], mask
 
 
-def _row_example(tokenizer: Any, row: Any) -> tuple[Example | None, str]:
+def _row_example(tokenizer: Tokenizer, row: Any) -> tuple[Example | None, str]:
     if not isinstance(row, dict):
         return None, f"expected an object, got {type(row).__name__}"
     msgs = row.get("messages")
@@ -92,7 +92,7 @@ def _row_example(tokenizer: Any, row: Any) -> tuple[Example | None, str]:
     return encode_pair(tokenizer, prompt, response), ""
 
 
-def load_demonstrations(path: str, tokenizer: Any, max_seq_len: int) -> tuple[list[Example], Counter[str]]:
+def load_demonstrations(path: str, tokenizer: Tokenizer, max_seq_len: int) -> tuple[list[Example], Counter[str]]:
     """Every usable example of ``path`` and the refused rows by reason."""
     from realscale.data.dataset import DatasetError, read_jsonl, read_parquet
 

@@ -15,6 +15,7 @@ class Tokenizer(Protocol):
 
     eos_token_id: int | None
     pad_token_id: int | None
+    chat_template: str | None  # read with getattr(..., None): a stand-in without a template may lack it
 
     def __call__(self, text: str, **kwargs: Any) -> Any: ...
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...

@@ -30,13 +30,16 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import aiohttp
 
 from realscale.inference.dialect import Dialect, Segment, parse_version
 from realscale.inference.timeouts import RequestTimeouts
 from realscale.inference.vllm_dialect import VllmDialect
+
+if TYPE_CHECKING:
+    from realscale.inference.weight_sync import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +419,7 @@ class InferenceClient:
                 info = await self._request(server, "GET", "/get_server_info")
                 server.ranks = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
 
-    async def init_weights_update_group(self, sender: Any, ranks: dict[str, int] | None = None) -> None:
+    async def init_weights_update_group(self, sender: WeightSender, ranks: dict[str, int] | None = None) -> None:
         """Join every rank of every server to ``sender``'s group while the sender hosts rank 0:
         server i's tensor-parallel rank r joins at ``rank_offset_i + r``, with rank_offset_0 = 1
         and each next server after the last rank of the previous one. ``ranks`` = {url: number
@@ -437,14 +440,14 @@ class InferenceClient:
             nxt += s.ranks
         return offsets
 
-    async def _join_group(self, sender: Any, targets: list[_Server]) -> None:
+    async def _join_group(self, sender: WeightSender, targets: list[_Server]) -> None:
         loop = asyncio.get_running_loop()
         posts = [self._request(s, "POST", "/init_weights_update_group", sender.init_request(offset))
                  for s, offset in zip(targets, self._rank_offsets(targets))]
         await asyncio.gather(loop.run_in_executor(None, sender.connect), *posts)
         self._group_urls = [s.url for s in targets]
 
-    async def _regroup(self, sender: Any, targets: list[_Server]) -> None:
+    async def _regroup(self, sender: WeightSender, targets: list[_Server]) -> None:
         """A member of the weight-update group is gone, and a collective with a dead member
         never completes: rebuild the group among ``targets`` on a fresh port."""
         log.warning("weight-update group %s -> %s: rebuilding it", self._group_urls, [s.url for s in targets])
@@ -459,7 +462,7 @@ class InferenceClient:
     async def _post_all(self, targets: list[_Server], path: str, body: dict[str, Any]) -> list[Any]:
         return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))
 
-    async def update_weights(self, sender: Any, buckets: Iterable[list[tuple[str, Any]]],
+    async def update_weights(self, sender: WeightSender, buckets: Iterable[list[tuple[str, Any]]],
                              weight_version: Any = None, flush_cache: bool = True) -> int:
         """Stream ``buckets`` through ``sender`` into every server; returns bytes sent.
 
@@ -484,7 +487,7 @@ class InferenceClient:
         await self._post_all(targets, "/end_weight_update", {})
         return sent
 
-    async def _send_buckets(self, sender: Any, targets: list[_Server], buckets: Iterable[list[tuple[str, Any]]],
+    async def _send_buckets(self, sender: WeightSender, targets: list[_Server], buckets: Iterable[list[tuple[str, Any]]],
                             weight_version: Any, flush_cache: bool) -> int:
         """The buckets of one update session; returns bytes sent."""
         from realscale.inference.weight_sync import bucket_meta

@@ -17,10 +17,13 @@ import time
 import urllib.error
 import urllib.request
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from realscale.errors import LaunchError
 from realscale.inference.sglang_reference import PINNED, SUPPORTED
+
+if TYPE_CHECKING:
+    from realscale.config import GenerateConfig
 
 
 class SGLangVersionError(LaunchError):
@@ -82,7 +85,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
     raise TimeoutError(f"SGLang server {url} not healthy within {timeout:.0f} s")
 
 
-def launch_sglang(cfg: Any, model_path: str, gpu_ids: list[list[int]], log_dir: str) -> list[tuple[str, subprocess.Popen]]:
+def launch_sglang(cfg: GenerateConfig, model_path: str, gpu_ids: list[list[int]], log_dir: str) -> list[tuple[str, subprocess.Popen]]:
     """Start ``len(gpu_ids)`` servers (server i on GPUs ``gpu_ids[i]``); return (url, process) pairs.
 
     ``cfg`` is the ``generate`` config section. Each server's stdout/stderr go to

@@ -87,6 +87,8 @@ def missing_reason() -> str:
         what = f"the cache holds SGLang {have}, not the pinned {PINNED}"
     else:
         what = f"the cached SGLang {PINNED} lacks files this version of realscale reads"
+    if _FETCH_ERROR:
+        what += f" and fetching it failed ({_FETCH_ERROR[0]})"
     return f"{what}: run 'python scripts/fetch_sglang_source.py' (needs PyPI access)"
 
 
@@ -286,3 +288,21 @@ def fetch(dest: str | None = None) -> str:
     os.replace(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+_FETCH_ERROR: list[str] = []  # why this process's one fetch attempt failed
+
+
+def ensure_source() -> str | None:
+    """:func:`find_source`, fetching the pinned sources first (once per process) when they
+    are absent, so the contract tests run on a fresh machine without a setup step. None
+    when the fetch failed too (:func:`missing_reason` then says why)."""
+    found = find_source()
+    if found is not None or _FETCH_ERROR:
+        return found
+    try:
+        fetch()
+    except (OSError, RuntimeError, subprocess.SubprocessError, zipfile.BadZipFile) as exc:
+        _FETCH_ERROR.append(f"{type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}"[:300])
+        return None
+    return find_source()

@@ -55,10 +55,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from realscale.config import PAUSE_MODES
 from realscale.inference.dialect import Dialect, Segment, parse_version
 from realscale.inference.dialect import expand_spans
 
-PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+VLLM_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}  # each of PAUSE_MODES -> vLLM's mode
+assert tuple(VLLM_PAUSE) == PAUSE_MODES
 RESET_BEFORE_RESUME = {"abort": None, "retract": "/reset_prefix_cache?reset_running_requests=true",
                        "in_place": "/reset_prefix_cache"}
 INITIAL_VERSION = "default"  # what vLLM reports before any version is set
@@ -110,9 +112,9 @@ class VllmDialect(Dialect):
         return Segment(ids, [float(c["logprob"]) for c in content], versions, {"type": reason})
 
     def pause(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r} is not one of {sorted(PAUSE_MODES)}")
-        return [(f"/pause?mode={PAUSE_MODES[mode]}", {})]
+        if mode not in VLLM_PAUSE:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        return [(f"/pause?mode={VLLM_PAUSE[mode]}", {})]
 
     def resume(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
         reset = RESET_BEFORE_RESUME.get(mode)

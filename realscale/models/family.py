@@ -59,14 +59,6 @@ class ModelArch:
         unit = math.lcm(multiple, tp)
         return (self.vocab_size + unit - 1) // unit * unit
 
-    def num_params(self) -> int:
-        per_layer = (self.hidden_size * self.qkv_rows + self.num_heads * self.head_dim * self.hidden_size
-                     + 3 * self.hidden_size * self.ffn_hidden_size + 2 * self.hidden_size)
-        if self.family.qkv_bias:
-            per_layer += self.qkv_rows
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + embed + self.hidden_size
-
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 nests RoPE settings in ``rope_parameters``; older configs use

@@ -8,9 +8,12 @@ parallel sizes as arguments and never asks which rank it is on.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from realscale.models.family import ModelArch, rope_kwargs
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -44,7 +47,7 @@ def recompute_kwargs(recompute: str) -> dict[str, Any]:
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                       dtype: str = "float32", cpu_init: bool = True, recompute: str = "none") -> Any:
+                       dtype: str = "float32", cpu_init: bool = True, recompute: str = "none") -> TransformerConfig:
     """megatron ``TransformerConfig`` for this architecture and layout."""
     import torch
     import torch.nn.functional as F
@@ -79,7 +82,7 @@ def layer_spec(arch: ModelArch, use_te: bool | None = None) -> Any:
     return specs.get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
 
 
-def build_gpt(arch: ModelArch, config: Any, *, pre_process: bool, post_process: bool,
+def build_gpt(arch: ModelArch, config: TransformerConfig, *, pre_process: bool, post_process: bool,
               use_te: bool | None = None, vocab_multiple: int = 128) -> Any:
     """One pipeline stage of the model (``pre_process``: holds the embedding;
     ``post_process``: holds the final norm and output layer)."""

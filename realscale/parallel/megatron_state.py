@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from realscale.parallel.device import init_distributed  # noqa: F401 - the one helper, re-exported
+from realscale.parallel.mesh import Strategy
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,16 @@ class RankInfo:
     @property
     def last_stage_rank(self) -> int:
         return self.pp_ranks[-1]
+
+    @property
+    def strategy(self) -> Strategy:
+        """The layout as a plan names it (``d<dp>t<tp>p<pp>``)."""
+        return Strategy(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    def world_rank(self) -> int:
+        """This rank's global rank in Megatron's order (tp fastest, then dp, then pp), which
+        is what torch.distributed's rank must be for every plan that reads shards by rank."""
+        return self.strategy.local_rank(self.dp_rank, self.tp_rank, self.pp_rank)
 
 
 def rank_info(sequence_parallel: bool = False) -> RankInfo:

@@ -182,10 +182,6 @@ class Resharder:
     def _members(self, m: _Message) -> tuple[int, ...]:
         return tuple(sorted(self.rank_of(g) for g in (m.sender, *m.receivers)))
 
-    def sent_to(self) -> int:
-        """Elements this GPU delivers per run, counted once per receiving GPU."""
-        return sum(m.numel * len(m.receivers) for m in self.messages if m.sender == self.gpu)
-
     def run(self, src_buf: torch.Tensor | None, dtype: torch.dtype | None = None,
             out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ReshardStats]:
         """This GPU's destination buffer (None if not in the destination mesh) and stats.

@@ -84,10 +84,10 @@ class ReshardTransport(WeightTransport):
                 ranks = {s.url: s.ranks for s in control.servers}
                 r = engine.ranks
                 self.rebuilds += self.member is not None
-                n = r.dp * r.tp * r.pp + sum(ranks[u] for u in alive)
+                n = r.strategy.world + sum(ranks[u] for u in alive)
                 self.store = host_store(advertise_host(), n, self.timeout_s)
                 world = WorldSpec(advertise_host(), self.store.port, f"realscale-weights-{self.rebuilds}",
-                                  self.backend, f"d{r.dp}t{r.tp}p{r.pp}", [ranks[u] for u in alive],
+                                  self.backend, str(r.strategy), [ranks[u] for u in alive],
                                   str(engine.config.params_dtype).removeprefix("torch."), spec_digest(self.spec),
                                   self.bucket_bytes, self.timeout_s)
                 # every server validates the world first: a mismatch is an error, not a hang
@@ -135,7 +135,7 @@ def check_megatron_order(engine: "MegatronEngine") -> None:
     then pp): the global rank must be that, or the plan would read the wrong shards."""
 
     r = engine.ranks
-    expected = r.pp_rank * r.tp * r.dp + r.dp_rank * r.tp + r.tp_rank
+    expected = r.world_rank()
     if dist.get_rank() != expected:
         raise RuntimeError(f"trainer rank {dist.get_rank()} is (dp={r.dp_rank}, tp={r.tp_rank}, pp={r.pp_rank}), "
                            f"which Megatron's tp-dp-pp order numbers {expected}; the weight world needs that order")

@@ -282,11 +282,6 @@ class WorldMember:
     def plan(self) -> Any:
         return self.resharder.plan
 
-    def shard_numel(self) -> int:
-        """Elements of this rank's destination shard (a server rank's flat buffer)."""
-        idx = self.resharder.dst_idx
-        return 0 if idx is None else idx.numel
-
     def lower_bound_bytes(self) -> int:
         from realscale.parallel.reshard import lower_bound_elems
 

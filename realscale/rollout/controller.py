@@ -138,7 +138,6 @@ class RolloutController:
         self._generated_tokens = 0
         self._failures: collections.Counter[str] = collections.Counter()
         self._consecutive_failures = 0
-        self._last_error: BaseException | None = None
         self._fatal: RolloutError | None = None
         self._lag_hist: collections.Counter[int] = collections.Counter()
         self._submit_versions: collections.Counter[int] = collections.Counter()
@@ -430,7 +429,6 @@ class RolloutController:
             self.staleness.on_reject()
             self._failures[type(exc).__name__] += 1
             self._consecutive_failures += 1
-            self._last_error = exc
             n = self._consecutive_failures
             if n >= self.max_consecutive_failures and self._fatal is None:
                 self._fatal = RolloutError(f"{n} episodes failed in a row; the generation servers look "
@@ -471,7 +469,7 @@ class RolloutController:
     # ================================================================== helpers (lock held)
 
     def _too_stale_locked(self, group: Group) -> bool:
-        return self._version - group.min_version > self.staleness.max_staleness
+        return self.staleness.too_stale(group.min_version, self._version)
 
     def _evict_stale_locked(self) -> None:
         keep: collections.deque[tuple[int, Group]] = collections.deque()
@@ -493,8 +491,7 @@ class RolloutController:
 
     def _due_running_locked(self) -> int:
         """Groups still generating that must be in the next batch (submitted at <= V - η)."""
-        oldest_ok = self._version - self.staleness.max_staleness
-        return sum(n for v, n in self._running_versions.items() if v <= oldest_ok)
+        return self.staleness.due(self._running_versions, self._version)
 
     def _take(self, n: int) -> list[Group]:
         """The ``n`` buffered groups submitted first (due groups are among them)."""

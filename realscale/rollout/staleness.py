@@ -21,6 +21,7 @@ such a group back out of ``accepted``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -53,6 +54,17 @@ class StalenessManager:
         by_concurrency = self.max_concurrent - self.running
         by_staleness = self.limit(version) - (self.accepted + self.running)
         return max(0, min(by_concurrency, by_staleness))
+
+    def due(self, running_by_version: Mapping[int, int], version: int) -> int:
+        """Groups still generating that the next batch must wait for: those submitted at a
+        version <= ``version`` − η would age past the bound if trained any later. One rule
+        for the controller and the simulator."""
+        oldest_ok = version - self.max_staleness
+        return sum(n for v, n in running_by_version.items() if v <= oldest_ok and n > 0)
+
+    def too_stale(self, min_version: int, version: int) -> bool:
+        """Would a group whose oldest token is ``min_version`` break the bound at ``version``?"""
+        return version - min_version > self.max_staleness
 
     # ------------------------------------------------------------------ events
 

@@ -158,7 +158,7 @@ class ColocatedGeneration:
         self.idle_while_generating = [m for m in idle_while_generating if m is not None]
         self.dtype = engine.config.params_dtype
         self.spec = spec_from_hf_config(engine.hf_config, itemsize=self.dtype.itemsize)
-        self.src = Layout(Mesh(0, world), Strategy(r.dp, r.tp, r.pp))
+        self.src = Layout(Mesh(0, world), r.strategy)
         dst = Layout(Mesh(0, world), self.gen)
         self.resharder = Resharder(plan_reshard(self.spec, self.src, dst, gpus_per_node=world))  # collective
         self.lower_bound = sum(lower_bound_elems(self.spec, self.src, dst).values()) * self.spec.itemsize

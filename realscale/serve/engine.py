@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from realscale.algo.sampling import sample
+from realscale.config import PAUSE_MODES
 
 if TYPE_CHECKING:
+    from realscale.data.tokens import Tokenizer
     from realscale.serve.ranks import ServerRanks
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def running_abort(message: str | None = None, status_code: int | None = None) -> dict[str, Any]:
@@ -99,7 +100,7 @@ class Engine:
     """Owns the request queues, the KV slot assignment and the scheduler thread; the
     ranks (``runner``, with ``max_running`` KV slots of ``context_length``) do the math."""
 
-    def __init__(self, runner: "ServerRanks", tokenizer: Any, *, max_running: int = 32, context_length: int = 2048,
+    def __init__(self, runner: "ServerRanks", tokenizer: Tokenizer, *, max_running: int = 32, context_length: int = 2048,
                  weight_version: str = "0", seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -117,7 +118,6 @@ class Engine:
         self._stop = False
         self.failure: str | None = None
         self.steps = 0
-        self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="realscale-scheduler", daemon=True)
         self._thread.start()
 
@@ -244,7 +244,6 @@ class Engine:
         if decoding:
             self._decode(decoding)
         self.steps += 1
-        self.last_step_time = time.monotonic()
 
     def _prefill(self, reqs: list[Request]) -> None:
         """Prefill prompt (+ output kept from a retraction) into the next free slots."""

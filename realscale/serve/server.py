@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from realscale.config import PAUSE_MODES
 from realscale.inference.sglang_reference import PINNED
 from realscale.inference.weight_sync import FLATTENED
 from realscale.models.tiny import resolve_model_path
@@ -276,7 +277,7 @@ class EmbeddedServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = P.check_object(await P.read_json(request), P.PAUSE_FIELDS, "pause_generation", strict=False)
         mode = P.optional(body, "mode", (str,), "pause_generation", "abort")
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in PAUSE_MODES:
             raise P.ProtocolError(f"pause_generation.mode: {mode!r} is not one of 'abort', 'retract', 'in_place'")
         await self._engine_call(lambda: self.engine.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})

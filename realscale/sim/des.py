@@ -63,19 +63,20 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from realscale.rollout.staleness import StalenessManager
 from realscale.sim.workload import Workload
+from realscale.errors import UserError
 
 # event kinds
 _CHUNK, _TRAIN_DONE, _SYNC_DONE = 0, 1, 2
 
 
-class SimError(ValueError):
+class SimError(UserError):
     """An impossible simulation setup (a layout that cannot hold one request, ...)."""
 
 
@@ -454,8 +455,7 @@ class Simulation:
         self._refill()
 
     def _due_running(self) -> bool:
-        oldest_ok = self.version - self.cfg.eta
-        return any(n > 0 for v, n in self.running_versions.items() if v <= oldest_ok)
+        return self.mgr.due(self.running_versions, self.version) > 0
 
     # ------------------------------------------------------------------ trainer
 

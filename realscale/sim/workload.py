@@ -25,8 +25,10 @@ from typing import Protocol
 
 import numpy as np
 
+from realscale.errors import UserError
 
-class WorkloadError(ValueError):
+
+class WorkloadError(UserError):
     """A malformed length distribution or acceptance model."""
 
 

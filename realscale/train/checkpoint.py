@@ -199,3 +199,43 @@ def _atomic_write(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+class Checkpointer:
+    """A run's checkpoints, owned in one place: the newest complete one (:meth:`latest`),
+    resuming from it (:meth:`load`), saving after a step and then bounding storage
+    (:meth:`save`, :meth:`rotate`). Every trainer rank holds one; only the driver moves
+    the pointer and deletes old checkpoints."""
+
+    def __init__(self, out_dir: str, keep: int = 0, pinned: Iterable[int] = (), is_driver: bool = True) -> None:
+        self.out_dir = out_dir
+        self.keep = keep
+        self.pinned = tuple(pinned)
+        self.is_driver = is_driver
+
+    def latest(self) -> str | None:
+        return latest_checkpoint(self.out_dir)
+
+    def load(self, engine: "MegatronEngine", critic: "MegatronEngine | None" = None) -> tuple[str | None, dict[str, Any]]:
+        """Restore ``engine`` (and ``critic``) from the newest checkpoint; (its path, the
+        extra state saved with it), or (None, {}) for a fresh run."""
+        ckpt = self.latest()
+        if ckpt is None:
+            return None, {}
+        extra = engine.load(ckpt)
+        if critic is not None:
+            critic.load(critic_dir(ckpt))
+        return ckpt, extra
+
+    def save(self, engine: "MegatronEngine", step: int, extra: dict[str, Any],
+             critic: "MegatronEngine | None" = None) -> str:
+        """Checkpoint after ``step`` (every rank), then rotate (the driver: the new one is
+        complete, older ones may go)."""
+        ckpt = save_checkpoint(engine, self.out_dir, step, extra, self.is_driver, critic=critic)
+        if self.is_driver:
+            self.rotate()
+        return ckpt
+
+    def rotate(self) -> list[str]:
+        return rotate_checkpoints(self.out_dir, self.keep, self.pinned)
+

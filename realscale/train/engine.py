@@ -101,7 +101,7 @@ class EngineConfig:
                    distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg))
 
 
-def resolve_recompute(cfg: Any) -> str:
+def resolve_recompute(cfg: Config) -> str:
     """``train.recompute``. ``auto`` is resolved before any process starts, by
     :func:`realscale.planner.apply.apply_plan` (to the recomputation ``parallel.plan``'s
     actor_train role was planned with); without a plan it means none."""

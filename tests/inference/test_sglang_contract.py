@@ -3,8 +3,8 @@
 Every expected name here is read from the pinned SGLang's files (``sglang_reference``:
 ``pip download --no-deps sglang==PINNED``, nothing installed), with ``ast`` or by running
 SGLang's generated JSON contract (``sglang/api/v1/api_types.py``, the decoders behind its
-server's HTTP 400s). Needs ``python scripts/fetch_sglang_source.py``; skipped, saying why,
-when the pinned source is not in the cache.
+server's HTTP 400s). The first run fetches them (``ref.ensure_source``: what
+``python scripts/fetch_sglang_source.py`` does); skipped, saying why, only when that fails.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from http_record import record_requests
 from realscale.serve import protocol as P
 from realscale.inference import sglang_reference as ref
 
-SRC = ref.find_source()
+SRC = ref.ensure_source()  # fetched here on a fresh machine (pip download, nothing installed)
 needs_source = pytest.mark.skipif(SRC is None, reason=ref.missing_reason())
 
 IO = "sglang/srt/managers/io_struct.py"

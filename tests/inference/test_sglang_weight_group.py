@@ -22,7 +22,7 @@ from realscale.inference.weight_sync import WeightSender
 from realscale.parallel.net import free_port
 from realscale.parallel.spawn import run_distributed
 
-needs_source = pytest.mark.skipif(ref.find_source() is None, reason=ref.missing_reason())
+needs_source = pytest.mark.skipif(ref.ensure_source() is None, reason=ref.missing_reason())
 
 
 def _expected(n_updates: int) -> list[tuple[str, torch.Tensor]]:

@@ -5,8 +5,9 @@
 # (it looks for what exists, by name, not only at pid files). Logs stay under the state
 # directory for a post-mortem. The one-node cluster of .ci/slurm_up.sh is left alone.
 set -uo pipefail
-# shellcheck source=cluster_lib.sh
+# shellcheck source-path=SCRIPTDIR
 . "$(dirname "$0")/cluster_lib.sh"
+rs_lock
 
 # cancel jobs only while the controller runs (scancel would retry an absent one for ~20 s)
 if [ -s "$RS_STATE/run/slurmctld.pid" ] && kill -0 "$(cat "$RS_STATE/run/slurmctld.pid")" 2>/dev/null \

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # (the variables are used by the scripts that source this)
 # Shared by .ci/cluster_up.sh, .ci/cluster_down.sh and .ci/cluster_node.sh (sourced, not run).
 #
 # The multi-node cluster: every node is a network namespace (ip netns) with its own UTS
@@ -11,8 +12,8 @@
 #   rs-ctl               10.211.0.2      slurmctld
 #   rs-node1 .. rs-nodeN 10.211.0.11 ..  slurmd -N rs-nodeI
 #
-# No namespace has a default route and the host does not forward: traffic stays between
-# these namespaces and the bridge.
+# No namespace has a default route, so a node reaches only this /24 (the other nodes, the
+# controller and the root namespace's end of the bridge); nothing else routes to it.
 
 export PATH=$PATH:/usr/sbin:/sbin   # ip, slurmd, slurmctld, munged live there; some shells lack it
 
@@ -20,8 +21,8 @@ RS_STATE=${RS_CLUSTER_STATE:-/var/lib/realscale-cluster}   # config, spool, stat
 RS_RUN=/run/realscale-cluster                              # persistent UTS namespaces
 RS_CONF=$RS_STATE/slurm.conf
 RS_BRIDGE=rs-br0
-RS_NET=10.211.0                # a /24 used only by these namespaces and the bridge
-RS_HOST=rs-host              # the root namespace, as the nodes see it
+RS_NET=${RS_CLUSTER_NET:-10.211.0}   # a /24 used only by these namespaces and the bridge
+RS_HOST=rs-host                # the root namespace, as the nodes see it
 RS_HOST_IP=$RS_NET.1
 RS_CTL=rs-ctl
 RS_CTL_IP=$RS_NET.2
@@ -50,7 +51,7 @@ rs_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^rs-(c
 # lists the host's interfaces; `ip link` (netlink) and getifaddrs() show the node's own.
 rs_in() {
   local ns=$1; shift
-  nsenter --net="/run/netns/$ns" --uts="$RS_RUN/uts/$ns" -- "$@"
+  nsenter --net="/run/netns/$ns" --uts="$RS_RUN/uts/$ns" -- "$@" 9<&-   # not the lock (rs_lock)
 }
 
 # Create namespace $1 with address $2: veth pair, host end on the bridge, the other end
@@ -89,13 +90,17 @@ rs_start_slurmd() {  # slurmd for node $1, inside its namespaces
   rs_in "$node" slurmd -N "$node" -f "$RS_CONF"
 }
 
-# Stop daemons by pid file, all at once: TERM, wait up to 3 s for all, then KILL the rest
-# (slurmd takes seconds to exit on TERM; the state it would save is wiped anyway).
+# Stop daemons of this cluster by pid file, all at once: TERM, wait up to 3 s for all, then
+# KILL the rest (slurmd takes seconds to exit on TERM; the state it would save is wiped
+# anyway). A pid whose command line does not name the state directory is not ours (a
+# stale pid file, the pid reused since) and is left alone.
 rs_stop_pidfiles() {
   local f pid pids=()
   for f in "$@"; do
     [ -s "$f" ] || continue
     pid=$(cat "$f"); rm -f "$f"
+    [[ $pid =~ ^[0-9]+$ ]] || continue
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$RS_STATE/" || continue
     kill "$pid" 2>/dev/null && pids+=("$pid")
   done
   [ ${#pids[@]} -gt 0 ] || return 0
@@ -104,6 +109,16 @@ rs_stop_pidfiles() {
     sleep 0.1
   done
   kill -9 "${pids[@]}" 2>/dev/null || true
+}
+
+# One cluster_up / cluster_down at a time: a lock on this file (fd 9, released when the
+# process ends; no lock file to leave behind). cluster_up's own call of cluster_down inherits it;
+# the daemons must not (they would hold it for their life): start them with 9<&-.
+rs_lock() {
+  [ "${RS_CLUSTER_LOCKED:-}" = 1 ] && return 0
+  exec 9<"${BASH_SOURCE[0]}"
+  flock -w 120 9 || { echo "another cluster_up/cluster_down runs (lock on ${BASH_SOURCE[0]})" >&2; exit 1; }
+  export RS_CLUSTER_LOCKED=1
 }
 
 # /etc/hosts may be a bind mount (containers): rewrite it in place, never rename over it.

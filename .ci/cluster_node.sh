@@ -12,7 +12,7 @@
 #   bash .ci/cluster_node.sh exec  rs-node2 CMD  # run CMD inside the node (its net + UTS namespaces)
 #   bash .ci/cluster_node.sh pids  rs-node2      # the processes inside the node
 set -euo pipefail
-# shellcheck source=cluster_lib.sh
+# shellcheck source-path=SCRIPTDIR
 . "$(dirname "$0")/cluster_lib.sh"
 
 usage() { echo "usage: $0 kill|start|cut|heal|pids|exec NODE [CMD...]" >&2; exit 2; }

@@ -18,10 +18,13 @@
 #
 # Environment: RS_CLUSTER_CPUS (CPUs each node declares; default the machine's CPU count,
 # so N nodes oversubscribe the real cores N times), RS_CLUSTER_STATE (state directory),
-# RS_CLUSTER_SLURMD_TIMEOUT (seconds of silence before a node is marked DOWN; default 6).
+# RS_CLUSTER_NET (the private /24; default 10.211.0), RS_CLUSTER_SLURMD_TIMEOUT and
+# RS_CLUSTER_MESSAGE_TIMEOUT (Slurm's SlurmdTimeout and MessageTimeout; default 4 and 3 s:
+# a killed node is marked DOWN 7-12 s after its death here, where Slurm's defaults, 300
+# and 10 s, would take minutes).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-# shellcheck source=cluster_lib.sh
+# shellcheck source-path=SCRIPTDIR
 . "$here/cluster_lib.sh"
 
 unavailable() { echo "cluster unavailable: $*" >&2; exit 3; }
@@ -41,9 +44,11 @@ start_ns=$(date +%s%N)
 
 # --- can this machine do it? ------------------------------------------------------------
 [ "$(id -u)" = 0 ] || unavailable "needs root (network namespaces, bridge, daemons as root)"
-for tool in ip unshare nsenter; do
+for tool in ip unshare nsenter flock; do
   command -v "$tool" >/dev/null || unavailable "no '$tool' command (iproute2 / util-linux)"
 done
+[ -w /etc/hosts ] || unavailable "/etc/hosts is not writable (the nodes' names go there)"
+rs_lock   # before the probe too: its bridge has a fixed name
 probe_ns=rs-probe$$
 probe() {  # a namespace, a bridge, a veth pair into the namespace, a UTS namespace
   ip netns add "$probe_ns" 2>/dev/null || { echo "cannot create a network namespace (ip netns add)"; return 1; }
@@ -59,6 +64,12 @@ probe_cleanup() {
 }
 if ! why=$(probe); then probe_cleanup; unavailable "$why"; fi
 probe_cleanup
+if [[ ! $RS_NET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+  echo "$0: RS_CLUSTER_NET must be the first three numbers of a /24, like 10.211.0" >&2; exit 2
+fi
+# the subnet must be ours alone: no other interface of the machine may sit in it
+clash=$(ip -o -4 addr show | awk -v br="$RS_BRIDGE" -v net="$RS_NET." '$2 != br && index($4, net) == 1 {print $2 " " $4}')
+[ -z "$clash" ] || unavailable "$RS_NET.0/24 is in use on this machine ($clash); choose another with RS_CLUSTER_NET"
 
 # Slurm and munge from Debian's packages, as .ci/slurm_up.sh installs them
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null \
@@ -84,6 +95,7 @@ done
 # --- from here on, a failure tears down what was made -----------------------------------
 bash "$here/cluster_down.sh" >/dev/null 2>&1 || true
 up=0
+# shellcheck disable=SC2329  # (run by the EXIT trap)
 on_exit() {
   local rc=$?
   [ "$up" = 1 ] && return 0
@@ -123,10 +135,11 @@ dd if=/dev/urandom bs=1 count=1024 of="$RS_STATE/munge/munge.key" status=none
 chmod 0400 "$RS_STATE/munge/munge.key"
 munged --force --socket="$RS_MUNGE_SOCKET" --key-file="$RS_STATE/munge/munge.key" \
   --pid-file="$RS_STATE/munge/munged.pid" --log-file="$RS_STATE/log/munged.log" \
-  --seed-file="$RS_STATE/munge/munged.seed"
+  --seed-file="$RS_STATE/munge/munged.seed" 9<&-
 
 # memory is shared by the nodes: each declares its share (not a consumable with CR_Core)
-mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 90 / 100 / n ))
+mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 90 / 100 / 1024 / n ))
+[ "$mem_mb" -ge 1 ] || mem_mb=1
 nodes="rs-node[1-$n]"; [ "$n" = 1 ] && nodes=rs-node1
 cat > "$RS_CONF" <<CONF
 # written by .ci/cluster_up.sh: $n nodes, each a network + UTS namespace on $RS_BRIDGE
@@ -159,8 +172,9 @@ SlurmdPort=6818
 # every node runs on the same CPUs: it reports the CPUs and memory declared below, not
 # what it detects (the nodes oversubscribe the real cores, on purpose)
 SlurmdParameters=config_overrides
-# the node-lost fault in CI time: the controller pings every SlurmdTimeout/3 s and marks a
-# node DOWN after SlurmdTimeout s of silence
+# the node-lost fault in CI time: the controller pings a node every SlurmdTimeout/3 s (a
+# ping gives up after MessageTimeout) and marks it DOWN once its last answer is older
+# than SlurmdTimeout at a ping round (measured: 7-12 s after a kill with 4 / 3)
 SlurmdTimeout=$slurmd_timeout
 MessageTimeout=$message_timeout
 MailProg=/bin/true

@@ -40,7 +40,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -50,6 +50,9 @@ from realscale.data.sft_data import load_demonstrations
 from realscale.models.tiny import build_tiny_model, resolve_model_path
 from realscale.parallel.spawn import run_distributed
 from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
+
+if TYPE_CHECKING:
+    from realscale.data.tokens import Tokenizer
 
 MODEL_FAMILY = "qwen2"
 # The packed micro-batch budget: attention on CPU is dense over a packed row, so short
@@ -112,7 +115,7 @@ def _seeded_embedding(model_dir: str, seed: int) -> str:
     return model_dir
 
 
-def batches(tokenizer: Any, problems: list[Problem], batch_size: int, steps: int, seed: int,
+def batches(tokenizer: Tokenizer, problems: list[Problem], batch_size: int, steps: int, seed: int,
             worked_fraction: float = 0.0, tool: bool = False) -> Iterator[Any]:
     """``steps`` packed batches of ``batch_size`` examples: seeded epoch shuffles, no example
     repeated within an epoch. Each drawn example is answered worked out (column by column)
@@ -207,7 +210,7 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
     return {"losses": losses, "seconds": seconds, "refused": refused, "examples": count}
 
 
-def _batches_for(cfg: Config, tokenizer: Any) -> tuple[Iterator[Any], dict[str, int], int]:
+def _batches_for(cfg: Config, tokenizer: Tokenizer) -> tuple[Iterator[Any], dict[str, int], int]:
     """(batches, refused rows by reason, usable examples): real demonstrations when
     ``sft.data`` is set, else the task's training split."""
     s = cfg.sft

@@ -263,6 +263,13 @@ def test_deferred_imports_defer_something() -> None:
     assert not loose, "move these to the top of their module:\n" + "\n".join(loose)
 
 
+def test_seams_are_typed() -> None:
+    """No bare ``cfg: Any`` / ``tokenizer: Any``: a config is a :class:`realscale.config.Config`
+    or the section it reads, a tokenizer a :class:`realscale.data.tokens.Tokenizer`."""
+    bare = cfg_any()
+    assert not bare, "give these a type (Config or its section, Tokenizer):\n" + "\n".join(bare)
+
+
 def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     """The reader finds an upward arrow, a folder circle and a loose deferred import."""
     global ROOT

@@ -40,8 +40,9 @@ from realscale.rollout.rewards import call_reward, close_reward_pools, reward_fn
 from realscale.tasks.arith import task_from_config
 
 if TYPE_CHECKING:
-    from realscale.config import Config
+    from realscale.config import Config, GenerateConfig
     from realscale.data.dataset import PromptSample
+    from realscale.data.tokens import Tokenizer
 
 
 @dataclass
@@ -113,7 +114,7 @@ def load_problems(data: str, cfg: "Config", max_problems: int = 0) -> list["Prom
     return problems[:max_problems] if max_problems else problems
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The RL workflow's prompt layout (chat template), or the bare text for a model without one."""
     if getattr(tokenizer, "chat_template", None):
         return prompt_ids(tokenizer, prompt)
@@ -124,7 +125,7 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 async def _sample_all(urls: list[str], prompts: list[list[int]], settings: BenchmarkSettings,
-                      gen_cfg: Any, concurrency: int) -> list[list[Any]]:
+                      gen_cfg: GenerateConfig, concurrency: int) -> list[list[Any]]:
     """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
     the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
 

@@ -34,6 +34,8 @@ from realscale.tasks.arith import Problem, is_correct, prompt_ids, task_from_con
 
 if TYPE_CHECKING:
     from realscale.config import Config
+    from realscale.data.tokens import Tokenizer
+    from realscale.serve.engine import Engine
 
 
 @dataclass
@@ -74,7 +76,7 @@ def _embedded(model_dir: str, context_length: int, seed: int, max_running: int =
 
 def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: int = 1, temperature: float = 0.0,
                          max_new_tokens: int = 8, seed: int = 0, max_running: int = 64,
-                         tokenizer: Any = None) -> list[list[str]]:
+                         tokenizer: Tokenizer | None = None) -> list[list[str]]:
     """``samples`` decoded completions per prompt from the embedded generation engine
     (decoded with ``tokenizer``; default: the model directory's)."""
     from realscale.serve.engine import Request, SamplingOptions
@@ -94,10 +96,10 @@ def generate_completions(model_dir: str, prompts: list[list[int]], *, samples: i
 class _EngineClient:
     """The workflows' client interface (``generate(ids, params)``) over an in-process engine."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def generate(self, ids: list[int], params: dict[str, Any]) -> Any:
+    async def generate(self, ids: list[int], params: dict[str, Any]) -> GenerateResult:
         from realscale.serve.engine import Request, SamplingOptions
 
         opts = SamplingOptions(max_new_tokens=int(params["max_new_tokens"]), temperature=float(params["temperature"]))
@@ -107,7 +109,7 @@ class _EngineClient:
         return GenerateResult(list(ids), list(done.output_ids), list(done.logprobs), [0] * n, done.finish_reason or {})
 
 
-def run_tool_episodes(model_dir: str, tok: Any, problems: list[Problem], *, samples: int, temperature: float,
+def run_tool_episodes(model_dir: str, tok: Tokenizer, problems: list[Problem], *, samples: int, temperature: float,
                       max_new_tokens: int, max_turns: int, seed: int) -> list[list[Any]]:
     """``samples`` multi-turn episodes per problem with the calculator environment, through
     :class:`realscale.rollout.workflows.MultiTurnWorkflow` itself (the RL rollouts' code)."""

@@ -19,17 +19,38 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from realscale.launcher.local import LocalBackend, RankGroup, ServerProc, start_servers, stop_servers, wait_healthy
 from realscale.launcher.slurm import SlurmBackend, in_allocation
 from realscale.launcher.spec import clear_stop, request_stop, stop_reason
 
-__all__ = ["LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "request_stop",
+if TYPE_CHECKING:
+    from realscale.config import Config
+
+__all__ = ["Backend", "LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "request_stop",
            "served", "start_servers", "stop_reason", "stop_servers", "wait_healthy"]
 
 
-def backend_for(cfg: Any, out_dir: str) -> Any:
+class Backend(Protocol):
+    """What the supervisor asks of a backend (:class:`LocalBackend`, :class:`SlurmBackend`),
+    in this order: prepare, start the servers, start the ranks, wait for them, stop
+    everything; ``requeue`` after a stop request (resume from the checkpoint)."""
+
+    def prepare(self) -> None: ...
+
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]: ...
+
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None: ...
+
+    def wait(self) -> int: ...
+
+    def stop(self) -> None: ...
+
+    def requeue(self) -> None: ...
+
+
+def backend_for(cfg: Config, out_dir: str) -> Backend:
     """``launch.backend``: local, slurm, or auto (slurm inside an allocation)."""
 
     kind = cfg.launch.backend
@@ -42,7 +63,7 @@ def backend_for(cfg: Any, out_dir: str) -> Any:
 
 
 @contextlib.contextmanager
-def served(cfg: Any, model_dir: str, out_dir: str) -> Iterator[list[str]]:
+def served(cfg: Config, model_dir: str, out_dir: str) -> Iterator[list[str]]:
     """Generation servers of ``model_dir`` for an evaluation (``generate.num_servers``,
     started by the run's backend); their URLs while the block runs, stopped after it."""
     backend = backend_for(cfg, out_dir)

@@ -63,7 +63,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -74,6 +74,11 @@ from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.parallel.spawn import run_distributed
 from realscale.planner import cost as C
 from realscale.planner.hardware import GPU, Efficiency, HardwareProfile, Source
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.inference.client import InferenceClient
+    from realscale.train.engine import MegatronEngine
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 DECODE_PROMPTS = (16, 160, 320)
@@ -274,7 +279,7 @@ def _process_cpu(pid: int) -> Callable[[], float]:
 # ----------------------------------------------------------------------------- decode
 
 
-async def _timed_batch(client: Any, batch: int, prompt: int, new: int, vocab: int, seed: int,
+async def _timed_batch(client: InferenceClient, batch: int, prompt: int, new: int, vocab: int, seed: int,
                        server_cpu: Callable[[], float]) -> tuple[float, float, float]:
     """(server CPU seconds, wall seconds, this client's CPU seconds) of one batch of requests."""
     rng = np.random.default_rng(seed)
@@ -355,7 +360,7 @@ def _packed(vocab: int, tokens: int, seq_len: int, prompt_len: int, seed: int) -
     return PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": adv})
 
 
-def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int, prompt_len: int) -> dict[str, Any]:
+def _trainer_rank(cfg: Config, model_dir: str, url: str, threads: int, repeats: int, prompt_len: int) -> dict[str, Any]:
     """Runs in a spawned rank: train-step and weight-sync timings with the real engine."""
 
     import torch
@@ -384,7 +389,7 @@ def _trainer_rank(cfg: Any, model_dir: str, url: str, threads: int, repeats: int
                                      "pause_mode": cfg.generate.pause_mode}}
 
 
-def _sync_times(cfg: Any, engine: Any, url: str, repeats: int) -> list[float]:
+def _sync_times(cfg: Config, engine: MegatronEngine, url: str, repeats: int) -> list[float]:
     """Weight updates through the trainer's own publisher (pause -> move -> resume), the
     first (which connects the transport) left out."""
 
@@ -410,7 +415,7 @@ ROLLOUT_SECONDS = 30.0
 ROLLOUT_MAX_NEW = 64  # answers of a random-weight model run to the cap; keep them near a real run's length
 
 
-def _rollout_cpu(cfg: Any, model_dir: str, url: str, work_dir: str, server_pid: int,
+def _rollout_cpu(cfg: Config, model_dir: str, url: str, work_dir: str, server_pid: int,
                  seconds: float = ROLLOUT_SECONDS) -> dict[str, float]:
     """The run's real rollout side (controller, workflow, reward workers) against the server
     for ``seconds`` at the recipe's concurrency (no staleness limit, no trainer): CPU time of

@@ -17,13 +17,16 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from realscale.errors import LaunchError
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.parallel.device import cuda_usable, devices_of_server
 from realscale.parallel.net import free_port
 from realscale.parallel.spawn import die_with_parent
+
+if TYPE_CHECKING:
+    from realscale.config import Config, GenerateConfig
 
 
 @dataclass
@@ -69,7 +72,7 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     return servers
 
 
-def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0, dtype: str = "float32",
+def start_vllm_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0, dtype: str = "float32",
                        timeout: float = 900.0) -> list[ServerProc]:
     """``gen.num_servers`` vLLM servers (:mod:`realscale.inference.vllm_server`), each on a
     free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
@@ -93,7 +96,7 @@ def start_vllm_servers(model_dir: str, gen: Any, log_dir: str, *, seed: int = 0,
     return servers
 
 
-def spawn_vllm_server(model_dir: str, gen: Any, log_path: str, *, seed: int = 0,
+def spawn_vllm_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
                       dtype: str = "float32") -> ServerProc:
     """Start one vLLM server process (not waiting for it). Dies with this process — with
     the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
@@ -214,7 +217,7 @@ class RankGroup:
 class LocalBackend:
     """Servers as ``realscale serve`` subprocesses, ranks as spawned processes."""
 
-    def __init__(self, cfg: Any, out_dir: str) -> None:
+    def __init__(self, cfg: Config, out_dir: str) -> None:
         self.cfg, self.out_dir = cfg, out_dir
         self.servers: list[ServerProc] = []
         self.ranks = RankGroup()

@@ -20,16 +20,20 @@ import math
 import os
 import shlex
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from realscale.parallel.mesh import Cluster, LayoutError, Mesh
-from realscale.parallel.model_spec import known_model, spec_from_hf_config
+from realscale.parallel.model_spec import ModelSpec, known_model, spec_from_hf_config
 from realscale.planner.cost import Workload
 from realscale.planner.hardware import get_gpu
-from realscale.planner.plan import plan_from_search
+from realscale.planner.plan import Plan, plan_from_search
+
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.planner.search import Problem
 
 
-def model_spec_for(cfg: Any) -> Any:
+def model_spec_for(cfg: Config) -> ModelSpec:
     """The planner's view of the policy: its HF config.json when ``model.path`` is a local
     directory, else the size named by ``launch.model_size``."""
 
@@ -43,7 +47,7 @@ def model_spec_for(cfg: Any) -> Any:
                       "empty: set launch.model_size (e.g. qwen2-7b) to plan before the weights are downloaded")
 
 
-def problem_for(cfg: Any) -> Any:
+def problem_for(cfg: Config) -> Problem:
     from realscale.planner.search import Problem, default_roles
 
     workload = Workload(batch=cfg.rollout.batch_size, n_samples=cfg.rollout.n_samples,
@@ -63,7 +67,7 @@ def split_meshes(nodes: int, gpus_per_node: int, gen_fraction: float) -> tuple[M
     return Mesh(0, gen_nodes * gpus_per_node), Mesh(gen_nodes * gpus_per_node, (nodes - gen_nodes) * gpus_per_node)
 
 
-def plan_for(cfg: Any) -> Any:
+def plan_for(cfg: Config) -> Plan | None:
     """The plan of a GPU recipe (None for a CPU job)."""
     if cfg.launch.gpus_per_node == 0:
         return None
@@ -103,7 +107,7 @@ def plan_for(cfg: Any) -> Any:
     return plan
 
 
-def check_memory(plan: Any, cfg: Any) -> None:
+def check_memory(plan: Plan, cfg: Config) -> None:
     """Every role's estimated memory per GPU fits the GPU's HBM."""
 
     hbm = get_gpu(cfg.launch.gpu).hbm_gb
@@ -113,7 +117,7 @@ def check_memory(plan: Any, cfg: Any) -> None:
                               f"the {hbm:.0f} GB of a {cfg.launch.gpu}")
 
 
-def render_sbatch(name: str, recipe: str, overrides: list[str], cfg: Any, plan_path: str = "") -> str:
+def render_sbatch(name: str, recipe: str, overrides: list[str], cfg: Config, plan_path: str = "") -> str:
     """The sbatch script of one job: its header from ``launch.*``, its body hands over to
     ``realscale train`` (which, inside the allocation, uses the Slurm backend)."""
     L = cfg.launch

@@ -39,12 +39,15 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from realscale.errors import LaunchError
 from realscale.launcher.dist_env import slurm_hostnames
 from realscale.launcher.spec import RunSpec, launch_dir, spec_path
 from realscale.planner.plan import Plan
+
+if TYPE_CHECKING:
+    from realscale.config import Config
 
 
 def in_allocation(env: Mapping[str, str] = os.environ) -> bool:
@@ -93,7 +96,7 @@ def _mesh_nodes(start: int, size: int, gpus_per_node: int, nodes: list[str]) -> 
     return nodes[first:last + 1]
 
 
-def allocation_slots(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -> tuple[int, str, bool]:
+def allocation_slots(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ) -> tuple[int, str, bool]:
     """(slots, unit, gpus) of the job: nodes x GPUs per node, or on CPU jobs the CPUs
     Slurm gave the job on each node (``SLURM_CPUS_ON_NODE``) times its nodes."""
     if cfg.launch.gpus_per_node:
@@ -102,7 +105,7 @@ def allocation_slots(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.env
     return len(nodes) * per_node, f"CPUs in the job ({len(nodes)} nodes)", False
 
 
-def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -> Placement:
+def placement(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ) -> Placement:
     """Place servers and ranks on the job's nodes: from the plan on GPU jobs, everywhere
     (servers first) on CPU jobs. A plan must fit the allocation (the rule of
     :mod:`realscale.planner.validate`, the same as the local backend's)."""
@@ -137,7 +140,7 @@ def placement(cfg: Any, nodes: list[str], env: Mapping[str, str] = os.environ) -
     return place
 
 
-def _check_fits(cfg: Any, nodes: list[str], env: Mapping[str, str]) -> None:
+def _check_fits(cfg: Config, nodes: list[str], env: Mapping[str, str]) -> None:
     """A plan's ranks must fit the allocation (the rule of realscale.planner.validate)."""
     if not cfg.parallel.plan:
         return
@@ -269,7 +272,7 @@ def _wait_urls(url_dir: str, n: int, step: Step, timeout: float) -> list[str]:
 class SlurmBackend:
     """Servers and ranks as job steps of the current allocation."""
 
-    def __init__(self, cfg: Any, out_dir: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, cfg: Config, out_dir: str, env: Mapping[str, str] | None = None) -> None:
         self.cfg, self.out_dir = cfg, os.path.abspath(out_dir)
         self.env = dict(os.environ if env is None else env)
         self.env.update(cfg.launch.nccl)

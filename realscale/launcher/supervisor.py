@@ -24,7 +24,7 @@ from realscale.config import Config, config_from_dict, run_dir, save_config
 from realscale.errors import LaunchError
 from realscale.eval import evaluate_heldout
 from realscale.inference.sglang_launcher import check_sglang_version
-from realscale.launcher import backend_for, clear_stop, request_stop, served, stop_reason
+from realscale.launcher import Backend, backend_for, clear_stop, request_stop, served, stop_reason
 from realscale.metrics import MetricsLogger, plot_run, summary_text
 from realscale.parallel.spawn import run_distributed
 from realscale.planner.apply import apply_plan
@@ -139,7 +139,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     return 0
 
 
-def stopped_early(cfg: Config, backend: Any, out_dir: str, reason: str) -> int:
+def stopped_early(cfg: Config, backend: Backend, out_dir: str, reason: str) -> int:
     """The ranks checkpointed and exited on a stop request: requeue the Slurm job (it
     resumes from that checkpoint), or say how to resume a local run."""
     ckpt = latest_checkpoint(out_dir)

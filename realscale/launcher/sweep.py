@@ -24,9 +24,10 @@ from typing import Any
 
 import yaml
 
-from realscale.config import ConfigError, load_config
+from realscale.config import Config, ConfigError, load_config
 from realscale.launcher.render import check_memory, plan_for, render_sbatch
 from realscale.parallel.mesh import LayoutError
+from realscale.planner.plan import Plan
 
 
 @dataclass
@@ -34,8 +35,8 @@ class Job:
     name: str
     recipe: str
     overrides: list[str]
-    cfg: Any = None
-    plan: Any = None
+    cfg: Config
+    plan: Plan | None = None
     script: str = ""
     files: dict[str, str] = field(default_factory=dict)  # path -> content
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from realscale.inference.weight_sync import WeightSender
 from realscale.parallel.net import advertise_host, free_port
@@ -26,7 +26,7 @@ class BroadcastTransport(WeightTransport):
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.flush_cache = flush_after_update(pause_mode)
-        self.sender: Any = None
+        self.sender: WeightSender | None = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         if control is None:

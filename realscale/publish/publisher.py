@@ -4,7 +4,7 @@ names (:func:`transport_for`). The protocol is described in :mod:`realscale.publ
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from realscale.inference.vllm_server import weight_engine
 from realscale.parallel.device import backend
@@ -18,6 +18,16 @@ from realscale.publish.vllm import VllmEngineTransport
 if TYPE_CHECKING:
     from realscale.config import Config
     from realscale.train.engine import MegatronEngine
+
+
+class Publisher(Protocol):
+    """What the trainer holds to get its weights to the generators: a :class:`WeightPublisher`
+    (servers of their own), or in colocated mode the ranks' own generation layout
+    (:class:`realscale.serve.colocated.ColocatedGeneration`). Every trainer rank calls both."""
+
+    def publish(self, engine: MegatronEngine, version: int) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
 
 
 class WeightPublisher:

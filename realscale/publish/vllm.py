@@ -13,6 +13,7 @@ from realscale.publish.control import ServerControl
 from realscale.publish.transport import SyncStats, WeightTransport, _rank, sum_over_ranks
 
 if TYPE_CHECKING:
+    from realscale.inference.client import InferenceClient
     from realscale.train.engine import MegatronEngine
 
 
@@ -38,7 +39,7 @@ class VllmSyncClient:
         return 1 + sum(self.ranks[u] for u in urls)
 
     def _fan_out(self, path: str, body_of: Any) -> None:
-        async def go(client: Any) -> None:
+        async def go(client: InferenceClient) -> None:
             await asyncio.gather(*(client.post(u, path, body_of(i, u), timeout=self.timeout)
                                    for i, u in enumerate(self.members)))
 
@@ -85,7 +86,7 @@ class VllmEngineTransport(WeightTransport):
         self.engine_name = engine_name
         self.bucket_bytes = bucket_bytes
         self.source: Any = None
-        self.client: Any = None
+        self.client: VllmSyncClient | None = None
         self.trainer_engine: Any = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:

@@ -99,7 +99,7 @@ class RolloutController:
         client_kwargs: InferenceClient options when ``client`` is a list of URLs.
     """
 
-    def __init__(self, client: Callable[[], Any] | Sequence[str], dataset: Any, workflow: Workflow,
+    def __init__(self, client: Callable[[], InferenceClient] | Sequence[str], dataset: Any, workflow: Workflow,
                  staleness: StalenessManager, *, filter_all_equal: bool = False, max_consecutive_failures: int = 8,
                  retry_backoff: float = 0.5, version: int = 0, client_kwargs: dict[str, Any] | None = None,
                  max_ahead: int = 0) -> None:
@@ -118,7 +118,7 @@ class RolloutController:
         self.filter_all_equal = filter_all_equal
         self.max_consecutive_failures = int(max_consecutive_failures)
         self.retry_backoff = float(retry_backoff)
-        self.client: Any = None
+        self.client: InferenceClient | None = None
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -217,14 +217,20 @@ class RolloutController:
         self._poke()
 
     def pause(self) -> None:
-        """Stop submitting new prompts (in-flight episodes go on); for weight updates."""
+        """Stop submitting new prompts (in-flight episodes go on); for weight updates. The
+        servers are about to be paused (by rank 0's server control): the client's health
+        check stops probing them until :meth:`resume` (SGLang's /health would generate)."""
         with self._lock:
             self._paused = True
+            if self.client is not None:
+                self.client.servers_paused = True
 
     def resume(self) -> None:
-        """Submit prompts again."""
+        """Submit prompts again (the servers were resumed)."""
         with self._lock:
             self._paused = False
+            if self.client is not None:
+                self.client.servers_paused = False
         self._poke()
 
     def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
@@ -316,6 +322,8 @@ class RolloutController:
     async def _open_client(self) -> None:
         self._wake = asyncio.Event()
         self.client = self._client_factory()
+        with self._lock:
+            self.client.servers_paused = self._paused
         await self.client.start()
 
     async def _retire(self, urls: set[str]) -> None:
@@ -538,30 +546,31 @@ class RolloutController:
 # ====================================================================== module helpers
 
 
-def client_kwargs(cfg: Any) -> dict[str, Any]:
+def client_kwargs(cfg: Config) -> dict[str, Any]:
     """InferenceClient options from ``cfg.generate``: the controller's client and rank 0's
     server-control client are made alike."""
     g = cfg.generate
     return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend)}
 
 
-def client_factory(cfg: Any, urls: Sequence[str]) -> Callable[[], Any]:
+def client_factory(cfg: Config, urls: Sequence[str]) -> Callable[[], InferenceClient]:
     """Makes (unstarted) InferenceClients for ``urls`` set up by ``cfg``."""
     return _client_factory(urls, client_kwargs(cfg))
 
 
-async def _await(fn: Callable[[Any], Any], client: Any) -> Any:
+async def _await(fn: Callable[[InferenceClient], Any], client: InferenceClient) -> Any:
     return await fn(client)
 
 
-def _client_factory(client: Callable[[], Any] | Sequence[str], kwargs: dict[str, Any]) -> Callable[[], Any]:
+def _client_factory(client: Callable[[], InferenceClient] | Sequence[str],
+                    kwargs: dict[str, Any]) -> Callable[[], InferenceClient]:
     if callable(client):
         return client
     urls = [client] if isinstance(client, str) else list(client)
     if not urls:
         raise ValueError("RolloutController: no server URLs")
 
-    def make() -> Any:
+    def make() -> InferenceClient:
         return InferenceClient(urls, **kwargs)
 
     return make

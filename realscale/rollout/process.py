@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from realscale.config import config_from_dict
 from realscale.parallel.spawn import die_with_parent
 from realscale.rollout.controller import RolloutError
 from realscale.rollout.factory import build_controller
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
     from realscale.config import AlgoConfig, Config
     from realscale.data.groups import Group
+    from realscale.inference.client import InferenceClient
     from realscale.rollout.controller import RolloutController
     from realscale.train.batch import PackedBatch
 
@@ -155,11 +157,11 @@ class LocalRollouts:
         self.controller.stop()
 
 
-async def _hold_clocks(client: Any) -> None:
+async def _hold_clocks(client: InferenceClient) -> None:
     client.timeouts.pause()
 
 
-async def _release_clocks(client: Any) -> None:
+async def _release_clocks(client: InferenceClient) -> None:
     client.timeouts.resume()
 
 
@@ -268,7 +270,6 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     import torch
 
     torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
-    from realscale.config import config_from_dict
 
     try:
         rollouts = LocalRollouts.build(config_from_dict(cfg_dict), model_dir, server_urls, out_dir, state)

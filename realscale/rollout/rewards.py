@@ -23,12 +23,15 @@ import logging
 import re
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from realscale.data.dataset import PromptSample, score
 from realscale.reward import CodeReward, MathReward
 from realscale.reward.math_extract import extract_answer
 from realscale.reward.result import ERROR, OK, TIMEOUT, RewardResult
+
+if TYPE_CHECKING:
+    from realscale.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ _POOLS: dict[tuple[Any, ...], Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(kind: str, cfg: Any) -> Any:
+def _pool(kind: str, cfg: RewardConfig) -> Any:
     """The shared MathReward/CodeReward for this configuration (built on first use)."""
     if kind == "math":
         key: tuple[Any, ...] = ("math", cfg.workers, cfg.timeout, cfg.max_answer_chars)
@@ -151,7 +154,7 @@ def close_reward_pools() -> None:
         pool.close()
 
 
-def reward_fn_for(cfg: Any, sample: PromptSample) -> RewardFn:
+def reward_fn_for(cfg: RewardConfig, sample: PromptSample) -> RewardFn:
     """The reward function for ``sample`` under ``cfg`` (a :class:`realscale.config.RewardConfig`)."""
     if "gym_task" in sample.metadata:
         return gym_reward
@@ -175,7 +178,7 @@ def reward_fn_for(cfg: Any, sample: PromptSample) -> RewardFn:
     return math
 
 
-def routed_reward(cfg: Any) -> RewardFn:
+def routed_reward(cfg: RewardConfig) -> RewardFn:
     """One reward function for a whole dataset: dispatches each sample with :func:`reward_fn_for`."""
     async def route(prompt: str, completion: str, sample: PromptSample) -> RewardResult:
         fn = reward_fn_for(cfg, sample)

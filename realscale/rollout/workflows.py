@@ -18,16 +18,28 @@ import math
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from realscale._pyast import parse
 from realscale.data.dataset import PromptSample
 from realscale.data.groups import Trajectory
-from realscale.data.tokens import observation_ids, prompt_ids
+from realscale.data.tokens import Tokenizer, observation_ids, prompt_ids
 from realscale.reward.result import OK, RewardResult
 from realscale.rollout.rewards import RewardFn, as_result, call_reward, routed_reward
 
+if TYPE_CHECKING:
+    from realscale.config import Config, GenerateConfig
+    from realscale.inference.client import GenerateResult
+
 UNKNOWN_VERSION = -1  # a server reported a non-numeric weight version
+
+
+class GenerateClient(Protocol):
+    """What a workflow asks of its client: one generation, to completion. The rollouts'
+    :class:`realscale.inference.client.InferenceClient` (HTTP servers), or the held-out
+    evaluation's in-process client over the embedded engine (:mod:`realscale.eval.heldout`)."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], /) -> GenerateResult: ...
 
 
 class Workflow(Protocol):
@@ -35,7 +47,7 @@ class Workflow(Protocol):
 
     n_samples: int
 
-    async def run_episode(self, client: Any, sample: PromptSample) -> list[Trajectory]: ...
+    async def run_episode(self, client: GenerateClient, sample: PromptSample) -> list[Trajectory]: ...
 
 
 def _versions(raw: list[Any]) -> list[int]:
@@ -53,7 +65,7 @@ def _finish_type(reason: Any) -> str:
     return str(reason.get("type", "")) if isinstance(reason, dict) else str(reason or "")
 
 
-def sampling_params_from_config(gen_cfg: Any) -> dict[str, Any]:
+def sampling_params_from_config(gen_cfg: GenerateConfig) -> dict[str, Any]:
     """Sampling parameters for the servers from a :class:`realscale.config.GenerateConfig`."""
     return {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature,
             "top_p": gen_cfg.top_p, "top_k": gen_cfg.top_k}
@@ -62,7 +74,7 @@ def sampling_params_from_config(gen_cfg: Any) -> dict[str, Any]:
 class _SampledWorkflow:
     """Shared parts: n concurrent samples per prompt, validated settings."""
 
-    def __init__(self, tokenizer: Any, n_samples: int, sampling_params: dict[str, Any]) -> None:
+    def __init__(self, tokenizer: Tokenizer, n_samples: int, sampling_params: dict[str, Any]) -> None:
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"{type(self).__name__}: n_samples must be an int >= 1, got {n_samples!r}")
         if int(sampling_params.get("max_new_tokens", 1)) < 1:
@@ -71,7 +83,7 @@ class _SampledWorkflow:
         self.n_samples = n_samples
         self.sampling_params = dict(sampling_params)
 
-    async def run_episode(self, client: Any, sample: PromptSample) -> list[Trajectory]:
+    async def run_episode(self, client: GenerateClient, sample: PromptSample) -> list[Trajectory]:
         """``n_samples`` trajectories for ``sample``; one failing sample cancels its siblings."""
         ids = prompt_ids(self.tokenizer, sample.prompt)
         try:
@@ -82,7 +94,7 @@ class _SampledWorkflow:
             raise group.exceptions[0] from group
         return [t.result() for t in tasks]
 
-    async def _one(self, client: Any, sample: PromptSample, ids: list[int]) -> Trajectory:
+    async def _one(self, client: GenerateClient, sample: PromptSample, ids: list[int]) -> Trajectory:
         raise NotImplementedError
 
 
@@ -92,7 +104,7 @@ class SingleTurnWorkflow(_SampledWorkflow):
     ``reward_timeout``: seconds a reward may take before it scores 0 (reason ``timeout``).
     """
 
-    def __init__(self, tokenizer: Any, n_samples: int, sampling_params: dict[str, Any], reward_fn: RewardFn, *,
+    def __init__(self, tokenizer: Tokenizer, n_samples: int, sampling_params: dict[str, Any], reward_fn: RewardFn, *,
                  reward_timeout: float = 30.0) -> None:
         super().__init__(tokenizer, n_samples, sampling_params)
         if reward_timeout <= 0:
@@ -100,7 +112,7 @@ class SingleTurnWorkflow(_SampledWorkflow):
         self.reward_fn = reward_fn
         self.reward_timeout = float(reward_timeout)
 
-    async def _one(self, client: Any, sample: PromptSample, ids: list[int]) -> Trajectory:
+    async def _one(self, client: GenerateClient, sample: PromptSample, ids: list[int]) -> Trajectory:
         res = await client.generate(ids, self.sampling_params)
         text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         reward = await call_reward(self.reward_fn, sample.prompt, text, sample,
@@ -149,7 +161,7 @@ class MultiTurnWorkflow(_SampledWorkflow):
     reward 0, reason ``timeout``).
     """
 
-    def __init__(self, tokenizer: Any, n_samples: int, sampling_params: dict[str, Any],
+    def __init__(self, tokenizer: Tokenizer, n_samples: int, sampling_params: dict[str, Any],
                  env_factory: Callable[[PromptSample], Environment], max_turns: int = 4, *,
                  max_total_tokens: int | None = None, env_timeout: float = 30.0) -> None:
         super().__init__(tokenizer, n_samples, sampling_params)
@@ -163,7 +175,7 @@ class MultiTurnWorkflow(_SampledWorkflow):
     def observation_ids(self, observation: str) -> list[int]:
         return observation_ids(self.tokenizer, observation)
 
-    async def _one(self, client: Any, sample: PromptSample, ids: list[int]) -> Trajectory:
+    async def _one(self, client: GenerateClient, sample: PromptSample, ids: list[int]) -> Trajectory:
         env = self.env_factory(sample)
         out: list[int] = []
         lps: list[float] = []
@@ -309,7 +321,7 @@ def _same(answer: str, reference: str) -> bool:
 # --------------------------------------------------------------------------- from the config
 
 
-def workflow_from_config(cfg: Any, tokenizer: Any, *, reward_fn: RewardFn | None = None,
+def workflow_from_config(cfg: Config, tokenizer: Tokenizer, *, reward_fn: RewardFn | None = None,
                          env_factory: Callable[[PromptSample], Environment] = CalculatorEnv) -> Workflow:
     """The workflow ``cfg.rollout.workflow`` names (a :class:`realscale.config.Config`).
 

@@ -43,12 +43,15 @@ from __future__ import annotations
 import math
 import mmap
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from realscale.serve.weights import RankWeights, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class TPComm:
@@ -93,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def hf_rope(hf_config: Any, device: torch.device) -> tuple[torch.nn.Module, Callable[..., Any]]:
+def hf_rope(hf_config: PretrainedConfig, device: torch.device) -> tuple[torch.nn.Module, Callable[..., Any]]:
     """The HF family's rotary-embedding module and ``apply_rotary_pos_emb`` for ``hf_config``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -113,7 +116,8 @@ def hf_rope(hf_config: Any, device: torch.device) -> tuple[torch.nn.Module, Call
 class ShardedDecoder:
     """Prefill and decode of slot-indexed requests on this rank's shard of the model."""
 
-    def __init__(self, weights: RankWeights, hf_config: Any, comm: TPComm, max_slots: int, max_len: int) -> None:
+    def __init__(self, weights: RankWeights, hf_config: PretrainedConfig, comm: TPComm, max_slots: int,
+                 max_len: int) -> None:
         arch, tp = weights.arch, weights.tp
         self.weights, self.comm = weights, comm
         self.vocab = arch.vocab_size

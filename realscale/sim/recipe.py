@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,10 +41,14 @@ from realscale.sim.workload import (
 )
 from realscale.tasks.arith import task_from_config
 
+if TYPE_CHECKING:
+    from realscale.config import Config
+    from realscale.planner.plan import Plan
+
 CALIBRATION_JSON = os.path.join("benchmarks", "results", "sim_calibration.json")
 
 
-def cpu_model_spec(cfg: Any) -> ModelSpec:
+def cpu_model_spec(cfg: Config) -> ModelSpec:
     """The recipe's model: a local HF directory or built-in tiny model, or (``sft``) the
     warm start's architecture from the ``sft`` section (a tiny Qwen2 over the byte
     tokenizer, as ``realscale sft`` builds it; nothing is built here)."""
@@ -60,7 +64,7 @@ def cpu_model_spec(cfg: Any) -> ModelSpec:
                             tie_embeddings=True, qkv_bias=True, itemsize=itemsize)
 
 
-def task_prompt_len(cfg: Any) -> int:
+def task_prompt_len(cfg: Config) -> int:
     """Mean prompt tokens of a ``task:`` source (chat template included, tiny byte tokenizer)."""
     from transformers import AutoTokenizer
 
@@ -69,7 +73,7 @@ def task_prompt_len(cfg: Any) -> int:
     return round(float(np.mean([len(prompt_ids(tok, p.prompt)) for p in problems])))
 
 
-def task_mix(cfg: Any, worked: float | None = None) -> TaskMix:
+def task_mix(cfg: Config, worked: float | None = None) -> TaskMix:
     """The task's answers (one token per character, plus end-of-sequence), worked out with
     probability ``worked`` (default: the warm start's ``data.task_worked_fraction``)."""
 
@@ -78,7 +82,7 @@ def task_mix(cfg: Any, worked: float | None = None) -> TaskMix:
     return TaskMix(tuple(len(p.answer) + 1 for p in problems), tuple(len(p.worked()) + 1 for p in problems), w)
 
 
-def parse_lengths(text: str, cfg: Any) -> LengthDist:
+def parse_lengths(text: str, cfg: Config) -> LengthDist:
     """``lognormal:MEDIAN:SIGMA``, ``hist:FILE.json`` ({"lengths": [...], "weights": [...]}),
     ``task`` or ``task:WORKED`` (a ``task:`` recipe's own answers), ``calibrated`` (the
     AReaL-calibrated lognormal)."""
@@ -112,13 +116,13 @@ def calibrated_lengths(path: str = CALIBRATION_JSON) -> Lognormal:
     return Lognormal(float(data["median"]), float(data["sigma"]))
 
 
-def layout_from_plan(plan: Any, gpus_per_node: int) -> RunLayout:
+def layout_from_plan(plan: Plan, gpus_per_node: int) -> RunLayout:
     gen, train = plan.roles["actor_gen"].strategy, plan.roles["actor_train"].strategy
     gpn = plan.cluster.gpus_per_node if plan.cluster is not None else gpus_per_node
     return RunLayout(gen.tp, gen.dp, train, colocated=plan.mode == "colocated", gpus_per_node=gpn)
 
 
-def scenario_from_config(cfg: Any, hw: HardwareProfile, *, plan: Any = None, lengths: LengthDist | None = None,
+def scenario_from_config(cfg: Config, hw: HardwareProfile, *, plan: Plan | None = None, lengths: LengthDist | None = None,
                          accept: float | None = None) -> Scenario:
     """The recipe's run under ``hw`` (a GPU recipe needs ``plan``; see the module docstring)."""
     gpu_job = cfg.launch.gpus_per_node > 0

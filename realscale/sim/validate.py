@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass
 from math import comb
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from realscale.planner.hardware import HardwareProfile, load_profile
 from realscale.sim.build import Scenario
 from realscale.sim.recipe import scenario_from_config, task_mix
 from realscale.sim.workload import AcceptAll, Reliability, TaskMix, Workload
+
+if TYPE_CHECKING:
+    from realscale.planner.plan import Plan
 
 BENCH_ASYNC = "benchmarks/results/async_vs_sync_seeds1-10.json"
 DEFAULT_RUN = "benchmarks/results/default_recipe_run.json"
@@ -107,7 +110,7 @@ def fit_workload(task_mix: TaskMix, stats: WorkloadStats, n_samples: int) -> tup
 
 
 def recipe_scenario(recipe: str, hw: HardwareProfile, stats: WorkloadStats,
-                    overrides: list[str] | None = None, plan: Any = None) -> tuple[Scenario, dict]:
+                    overrides: list[str] | None = None, plan: Plan | None = None) -> tuple[Scenario, dict]:
     """The recipe's run on ``hw`` with the workload of its measured runs (a ``task:``
     recipe's answers fitted to ``stats``; other recipes keep their length distribution)."""
     from realscale.config import load_config

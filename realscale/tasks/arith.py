@@ -29,15 +29,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from realscale.data.tokens import observation_ids
+from realscale.data.tokens import Tokenizer, observation_ids
 from realscale.data.tokens import prompt_ids as workflow_prompt_ids
 from realscale.reward.math_extract import extract_answer
 from realscale.reward.math_fast import fast_check
 from realscale.tasks.long_tail import LongTailTask
+
+if TYPE_CHECKING:
+    from realscale.config import DataConfig
 
 TASK_PREFIX = "task:"
 OPS = ("+", "-")
@@ -120,7 +123,7 @@ class ArithTask:
 TASKS: tuple[str, ...] = ("arith", "long_tail")  # names after "task:" in data.source
 
 
-def task_from_config(data_cfg: Any) -> Any:
+def task_from_config(data_cfg: DataConfig) -> Any:
     """The task a :class:`realscale.config.DataConfig` describes: ``task:long_tail`` selects
     :class:`realscale.tasks.long_tail.LongTailTask`, anything else the arithmetic task (its
     ``task_*`` knobs). Every task has ``split(name)`` -> problems with ``prompt``,
@@ -160,13 +163,13 @@ def resolve_task_source(source: str, task: Any, out_dir: str, split: str = "trai
 # --------------------------------------------------------------------------- tokens
 
 
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The prompt as the RL workflow sends it (one definition: the workflow's)."""
 
     return workflow_prompt_ids(tokenizer, prompt)
 
 
-def encode_example(tokenizer: Any, problem: Problem, worked: bool = False) -> tuple[list[int], list[float]]:
+def encode_example(tokenizer: Tokenizer, problem: Problem, worked: bool = False) -> tuple[list[int], list[float]]:
     """(token ids, loss mask) of prompt + answer + EOS; the mask is 1 on answer and EOS tokens.
     ``worked``: the column-by-column answer (:meth:`Problem.worked`) instead of the bare number.
 
@@ -182,7 +185,7 @@ def encode_example(tokenizer: Any, problem: Problem, worked: bool = False) -> tu
     return head + tail, [0.0] * len(head) + [1.0] * len(tail)
 
 
-def encode_tool_example(tokenizer: Any, problem: Any, use_tool: bool = True) -> tuple[list[int], list[float]]:
+def encode_tool_example(tokenizer: Tokenizer, problem: Any, use_tool: bool = True) -> tuple[list[int], list[float]]:
     """(token ids, loss mask) of a multi-turn demonstration for the calculator environment
     (:class:`realscale.rollout.workflows.CalculatorEnv`), laid out exactly as the
     multi-turn workflow lays out an episode. With ``use_tool``: the model asks

@@ -61,9 +61,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from realscale.config import DataConfig
 
 NAME = "long_tail"
 STRIDE = 3  # the running digit's step (coprime to 10)
@@ -179,7 +182,7 @@ class LongTailTask:
         return strata
 
     @classmethod
-    def from_config(cls, data_cfg: Any) -> "LongTailTask":
+    def from_config(cls, data_cfg: DataConfig) -> "LongTailTask":
         """The task a :class:`realscale.config.DataConfig` describes (``size``, ``task_*`` knobs)."""
         return cls(min_steps=data_cfg.task_min_steps, max_steps=data_cfg.task_max_steps,
                    alpha=data_cfg.task_tail_alpha, train_size=data_cfg.size, heldout_size=data_cfg.task_heldout,

@@ -108,10 +108,13 @@ class ParallelConfig:
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
     mode: str = knob("disaggregated", "disaggregated: generation servers on devices of their own, asynchronous under rollout.max_staleness (AReaL); colocated: the trainer ranks themselves generate between updates, in the layout generate.num_servers x generate.tp (which must cover the trainer's ranks), synchronously (max_staleness 0; ReaL). A plan's mode sets it.")
     release_idle_memory: bool = knob(True, "Colocated mode: release what a phase does not use: the generation layout's weights and KV cache while training (built again each step), the frozen reference policy (algo.kl_coef > 0) while generating; false keeps everything resident.")
+    collective_timeout_s: float = knob(0.0, "Seconds a trainer rank may wait inside one collective before the process group (NCCL's watchdog) ends the run; also megatron's groups. 0: auto, 2400 (a publish's pause, weight load and resume at the 600 s control limit each, plus NCCL's 10 minutes); never NCCL's 10-minute default. Waiting for rollouts is not inside such a collective (a gloo side group, no limit but a day).")
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             _positive("parallel", name, getattr(self, name))
+        if self.collective_timeout_s < 0:
+            raise ConfigError(f"parallel.collective_timeout_s: 0 (auto) or seconds > 0, got {self.collective_timeout_s!r}")
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
         _one_of("parallel", "mode", self.mode, ("disaggregated", "colocated"))
         if self.sequence_parallel and self.tp == 1:

@@ -44,10 +44,10 @@ import torch.distributed as dist
 from realscale.config import Config, config_from_dict
 from realscale.launcher.spec import stop_reason
 from realscale.metrics import MetricsLogger
-from realscale.parallel.device import init_distributed
+from realscale.parallel.device import collective_timeout_s, init_distributed
 from realscale.parallel.rank_metrics import ComputeClock, CpuClock, gather_figures, step_figures
 from realscale.publish.control import ServerControl, ServerEndpoint
-from realscale.publish.publisher import WeightPublisher, transport_for
+from realscale.publish.publisher import Publisher, WeightPublisher, transport_for
 from realscale.rollout.controller import client_factory
 from realscale.rollout.process import start_rollouts
 from realscale.serve.colocated import ColocatedGeneration
@@ -68,7 +68,7 @@ class Trainer:
     """One trainer rank of a run: engine, (driver only) controller and logger, publisher."""
 
     def __init__(self, cfg: Config, model_dir: str, server_urls: list[str], out_dir: str) -> None:
-        init_distributed(cfg.parallel.backend)
+        init_distributed(cfg.parallel.backend, collective_timeout_s(cfg.parallel.collective_timeout_s))
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
@@ -96,7 +96,7 @@ class Trainer:
                                     client_factory(cfg, server_urls))
         if self.colocated is not None:
             self.colocated.control = control
-        self.publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
+        self.publisher: Publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
                                                            cfg.generate.pause_mode)
 
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]

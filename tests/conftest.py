@@ -1,4 +1,4 @@
-"""Shared test setup: markers, GPU skipping, and keeping torch to few threads."""
+"""Shared test setup: markers, GPU skipping, keeping torch to few threads, the device contract."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The device contract (realscale/parallel/device.py): every rank these tests start (spawned
+# gloo ranks, realscale train's trainer ranks) fails a collective tensor that skipped the
+# device helper, as NCCL would fail it on a GPU.
+os.environ.setdefault("REALSCALE_DEVICE_CONTRACT", "nccl")
 
 MULTIPROC_TIMEOUT_S = 900
 

@@ -56,6 +56,7 @@ CONSUMERS: dict[str, str] = {
     "parallel.backend": "realscale.trainer:Trainer.__init__",
     "parallel.mode": "realscale.trainer:Trainer.__init__",
     "parallel.release_idle_memory": "realscale.serve.colocated:ColocatedGeneration.__init__",
+    "parallel.collective_timeout_s": "realscale.trainer:Trainer.__init__",
     # optim
     "optim.lr": "realscale.train.engine:EngineConfig.from_config",
     "optim.min_lr": "realscale.train.engine:EngineConfig.from_config",

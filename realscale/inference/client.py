@@ -5,7 +5,11 @@
   this client has in flight there;
 - a server that refuses connections or times out is taken out of rotation, its requests
   are re-sent elsewhere, and a background health check brings it back when ``/health``
-  answers again;
+  answers again; never while the servers are paused (:attr:`InferenceClient.servers_paused`):
+  SGLang's ``/health`` generates a token, which waits behind the pause and fails;
+- a weight update (to servers paused for it) first asks each server whether it is there
+  on the dialect's ``liveness_path``, which generates nothing (SGLang: ``/model_info``;
+  see :class:`~realscale.inference.dialect.Dialect`), never on ``/health``;
 - :meth:`InferenceClient.generate` handles interruption itself: a response with
   ``finish_reason.type == "abort"`` (a pause for a weight update) is resubmitted as
   prompt + partial output with the remaining token budget, and tokens, log-probs and
@@ -115,6 +119,10 @@ class InferenceClient:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._group_urls: list[str] = []  # members of the weight-update group, in rank order
+        # The servers are paused (by this client, or for the rollout controller's client by
+        # rank 0's server control): no /health probe, which would generate on SGLang.
+        self.servers_paused = False
+        self._paused_urls: set[str] = set()  # the servers the last pause() reached
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -263,6 +271,8 @@ class InferenceClient:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
+            if self.servers_paused:
+                continue  # SGLang's /health would wait behind the pause, then fail (module docstring)
             for server in [s for s in self.servers if not s.healthy and not s.retired]:
                 if await self._probe(server):
                     log.info("server %s back in rotation", server.url)
@@ -276,16 +286,17 @@ class InferenceClient:
             return False
 
     async def _alive(self, server: _Server) -> bool:
-        """Whether ``server`` is still there. A refused connection (nobody listens on the
-        port) or a 5xx answer, a few times in a row, means it is gone; a slow answer does
-        not: on a loaded machine a live server can take many seconds to answer, and
-        retiring it would cost the run a healthy server, so slow ones are waited for up
-        to ``request_timeout``."""
+        """Whether ``server`` is still there, asked on the dialect's ``liveness_path`` (no
+        generation: the servers are paused for a weight update). A refused connection
+        (nobody listens on the port) or a 5xx answer, a few times in a row, means it is
+        gone; a slow answer does not: on a loaded machine a live server can take many
+        seconds to answer, and retiring it would cost the run a healthy server, so slow
+        ones are waited for up to ``request_timeout``."""
         deadline = time.monotonic() + self.request_timeout
         refusals = 0
         while True:
             try:
-                await self._request(server, "GET", "/health", timeout=min(10.0, self.request_timeout))
+                await self._request(server, "GET", self.dialect.liveness_path, timeout=min(10.0, self.request_timeout))
                 return True
             except (aiohttp.ClientConnectorError, aiohttp.ClientResponseError, ServerError):
                 refusals += 1
@@ -297,9 +308,9 @@ class InferenceClient:
             await asyncio.sleep(self.backoff * 2 ** min(refusals, 5))
 
     async def _update_targets(self) -> list[_Server]:
-        """The servers a weight update goes to: every server not retired that answers /health
-        now (also ones out of rotation after a failed request: they come back with the new
-        weights). One that does not answer is retired for good."""
+        """The servers a weight update goes to: every server not retired that answers on the
+        dialect's liveness path now (also ones out of rotation after a failed request: they
+        come back with the new weights). One that does not answer is retired for good."""
         candidates = [s for s in self.servers if not s.retired]
         alive = await asyncio.gather(*(self._alive(s) for s in candidates))
         targets = []
@@ -308,10 +319,11 @@ class InferenceClient:
                 server.healthy = True
                 targets.append(server)
             else:
-                log.warning("server %s does not answer /health; retired (it misses this weight update)", server.url)
+                log.warning("server %s does not answer %s; retired (it misses this weight update)", server.url,
+                            self.dialect.liveness_path)
                 server.retired, server.healthy = True, False
         if not targets:
-            raise NoServerError(f"no generation server answers /health for the weight update: "
+            raise NoServerError(f"no generation server answers {self.dialect.liveness_path} for the weight update: "
                                 f"{[s.url for s in self.servers]}")
         return targets
 
@@ -357,10 +369,11 @@ class InferenceClient:
                               num_interruptions=interruptions, num_resends=resends,
                               latency=time.monotonic() - start, num_timeouts=timeouts)
 
-    async def _control(self, path: str, body: dict[str, Any]) -> None:
-        """POST to every server in rotation; one that cannot be reached is taken out of
-        rotation (a dead server must not stop the others from pausing or resuming)."""
-        targets = [s for s in self.servers if s.healthy]
+    async def _control(self, path: str, body: dict[str, Any], also: set[str] | frozenset[str] = frozenset()) -> None:
+        """POST to every server in rotation (and those in ``also`` not retired); one that
+        cannot be reached is taken out of rotation (a dead server must not stop the others
+        from pausing or resuming)."""
+        targets = [s for s in self.servers if s.healthy or (s.url in also and not s.retired)]
         results = await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets),
                                        return_exceptions=True)
         for server, res in zip(targets, results):
@@ -371,14 +384,21 @@ class InferenceClient:
 
     async def pause(self, mode: str = "abort") -> None:
         self._pause_mode = mode
+        self.servers_paused = True
+        self._paused_urls = {s.url for s in self.servers if s.healthy}
         self.timeouts.pause()  # held requests do not run out of time while the servers are paused
         for path, body in self.dialect.pause(mode):
             await self._control(path, body)
 
     async def resume(self) -> None:
+        """Resume every server this client paused, also one taken out of rotation since
+        (a failed request during the pause): a paused server never passes the health check
+        that would bring it back (SGLang's /health generates)."""
         for path, body in self.dialect.resume(self._pause_mode):
-            await self._control(path, body)
+            await self._control(path, body, also=self._paused_urls)
+        self._paused_urls = set()
         self.timeouts.resume()
+        self.servers_paused = False
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None,
                                        flush_cache: bool = True) -> list[Any]:
@@ -515,7 +535,7 @@ class InferenceClient:
 
     async def weight_targets(self) -> list[str]:
         """URLs of the servers a weight update goes to, in server order: every one not
-        retired that answers /health now (one that does not is retired for good)."""
+        retired that answers on the liveness path now (one that does not is retired for good)."""
         return [s.url for s in await self._update_targets()]
 
     async def post_each(self, path: str, bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -529,7 +549,9 @@ class InferenceClient:
         return dict(zip(urls, replies))
 
     async def health(self) -> dict[str, bool]:
-        """Probe every server now; updates rotation; returns ``{url: healthy}``."""
+        """Probe every server's ``/health`` now; updates rotation; returns ``{url: healthy}``.
+        Not while the servers are paused: on SGLang that probe generates, so it waits
+        behind the pause and fails (module docstring)."""
         oks = await asyncio.gather(*(self._probe(s) for s in self.servers))
         for s, ok in zip(self.servers, oks):
             s.healthy = ok

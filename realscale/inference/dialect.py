@@ -42,6 +42,16 @@ class Dialect:
 
     name = "sglang"
     generate_path = "/generate"
+    # "Is the server there?" without generating: what a weight update asks of paused
+    # servers. Not /health: in the pinned SGLang (0.5.23) /health is the /health_generate
+    # handler (sglang/srt/entrypoints/http_server.py:721-723; SGLANG_ENABLE_HEALTH_ENDPOINT_
+    # GENERATION defaults to true, sglang/srt/environ.py:344), which submits a one-token
+    # generation that waits behind a pause (tokenizer_manager.py:938-939) and answers 503
+    # after SGLANG_HEALTH_CHECK_TIMEOUT, 20 s (http_server.py:218, 779-799), marking the server
+    # unhealthy. /model_info (http_server.py:812-813) reads the tokenizer manager's state only:
+    # no generation, no scheduler round trip, answered while paused. (/ping, http_server.py:
+    # 2190-2198, would also answer while paused, but stays 503 after one failed /health.)
+    liveness_path = "/model_info"
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}

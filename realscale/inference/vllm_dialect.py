@@ -93,6 +93,10 @@ class VllmDialect(Dialect):
 
     name = "vllm"
     generate_path = "/inference/v1/generate"
+    # vLLM 0.32's /health only asks the engine whether it is dead, no generation
+    # (vllm/entrypoints/serve/instrumentator/health.py:22-33; check_health raises only for a
+    # dead engine, vllm/v1/engine/async_llm.py:1089-1092): fine while paused
+    liveness_path = "/health"
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         return {"token_ids": input_ids, "sampling_params": sampling_params(params), "request_id": rid,

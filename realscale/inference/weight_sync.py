@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from realscale.parallel.device import comm_device
+from realscale.parallel.device import check_comm, comm_device, to_comm
 from realscale.parallel.net import free_port
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -137,14 +137,14 @@ class WeightSender:
             raise RuntimeError("WeightSender.connect() was not called")
         if load_format == FLATTENED:
             flat_offsets([dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
-            tensors = [torch.cat([t.detach().to(self.device).contiguous().flatten().view(torch.uint8)
-                                  for _, t in bucket])]
+            tensors = [to_comm(torch.cat([t.detach().to(self.device).contiguous().flatten().view(torch.uint8)
+                                          for _, t in bucket]), self.backend, self.device)]
         elif load_format is None:
-            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+            tensors = [to_comm(t.detach(), self.backend, self.device) for _, t in bucket]
         else:
             raise ValueError(f"load_format: {load_format!r} is not None or {FLATTENED!r}")
         for t in tensors:
-            self.group.broadcast(t, 0).wait()
+            self.group.broadcast(check_comm(t, self.backend, "weight-update broadcast"), 0).wait()
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reopen(self, world_size: int) -> None:

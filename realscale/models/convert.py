@@ -293,8 +293,9 @@ def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _tp_gather(kind: str, shard: torch.Tensor, tp_group: Any) -> torch.Tensor:
     if kind == "replicated" or tp_group is None or dist.get_world_size(tp_group) == 1:
         return gather_layout(kind, [shard])
-    shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+    backend = group_backend(tp_group)
+    shards = [comm_empty(shard.shape, shard.dtype, backend) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(shards, to_comm(shard, backend), group=tp_group)
     return gather_layout(kind, shards)
 
 

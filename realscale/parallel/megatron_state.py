@@ -6,8 +6,10 @@ the engine ask this module, never torch.distributed directly, for the layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from realscale.parallel.device import default_group_timeout_s
 from realscale.parallel.device import init_distributed  # noqa: F401 - the one helper, re-exported
 from realscale.parallel.mesh import Strategy
 
@@ -38,9 +40,14 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {layout.tp}*{layout.pp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # megatron's groups time out with the default group (init_distributed), not after
+    # megatron's own 30 minutes
+    timeout_s = default_group_timeout_s()
+    extra = {} if timeout_s is None else {"distributed_timeout_minutes": math.ceil(timeout_s / 60)}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        **extra,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

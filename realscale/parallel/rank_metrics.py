@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from realscale.parallel.device import to_comm
+from realscale.parallel.device import comm_empty, to_comm
 
 COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 
@@ -94,7 +94,7 @@ def gather_figures(local: dict[str, float]) -> list[dict[str, float]]:
     keys = sorted(local)
     backend = dist.get_backend()
     mine = to_comm(torch.tensor([local[k] for k in keys], dtype=torch.float64), backend)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    out = [comm_empty(mine.shape, mine.dtype, backend) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [dict(zip(keys, t.cpu().tolist())) for t in out]
 

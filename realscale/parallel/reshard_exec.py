@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from realscale.parallel import intervals
-from realscale.parallel.device import comm_device
+from realscale.parallel.device import check_comm, comm_device, comm_empty
 from realscale.parallel.mesh import Layout, LayoutError
 from realscale.parallel.model_spec import ModelSpec
 from realscale.parallel.reshard import Piece, ReshardPlan, ShardIndex, shard_index
@@ -207,7 +207,7 @@ class Resharder:
             role_send, role_recv = m.sender == self.gpu, self.gpu in m.receivers
             if not (role_send or role_recv):
                 continue
-            buf = torch.empty(m.numel, dtype=dtype, device=self.device)
+            buf = comm_empty(m.numel, dtype, self.comm.backend)
             if role_send:
                 s, n = self.src_idx.intervals(spec, m.pieces)  # type: ignore[union-attr]
                 intervals.gather(src_buf, s, n, buf)
@@ -233,6 +233,8 @@ class Resharder:
         return out
 
     def _post(self, m: _Message, buf: torch.Tensor, sending: bool) -> object:
+        # the contract's check here too: a weight world's store-built group is not torch.distributed's
+        check_comm(buf, self.comm.backend, "reshard message")
         if len(m.receivers) == 1:
             peer = self.rank_of(m.receivers[0] if sending else m.sender)
             return self.comm.isend(buf, peer) if sending else self.comm.irecv(buf, peer)

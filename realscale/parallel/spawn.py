@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable
 
 from realscale.parallel import net
+from realscale.parallel.device import init_distributed
 
 # How long a rank's failure waits for news of a peer's death that caused it.
 DEATH_GRACE_S = 1.0
@@ -42,7 +43,7 @@ def die_with_parent() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, env: dict[str, str],
-            fn: Callable[..., Any], args: tuple, conn: Any) -> None:
+            fn: Callable[..., Any], args: tuple, conn: Any, collective_timeout_s: float | None = None) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -51,7 +52,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, env: dict[str, 
         import torch.distributed as dist
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        init_distributed(backend, collective_timeout_s)  # as a trainer rank does (the device contract too)
         try:
             result = fn(*args)
         finally:
@@ -68,7 +69,7 @@ class DistributedJob:
     :meth:`kill` ends them (another job they talk to failed)."""
 
     def __init__(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, collective_timeout_s: float | None = None) -> None:
         ctx = mp.get_context("spawn")
         port = net.free_port()
         self.world_size = world_size
@@ -79,7 +80,7 @@ class DistributedJob:
             # Not daemonic: ranks may start processes of their own (megatron's checkpoint
             # writer does); wait()/kill() end any rank still alive.
             proc = ctx.Process(target=_worker, args=(rank, world_size, port, backend, dict(env or {}), fn, args,
-                                                     child))
+                                                     child, collective_timeout_s))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -164,9 +165,12 @@ class DistributedJob:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
-                    backend: str = "gloo", env: dict[str, str] | None = None) -> list[Any]:
+                    backend: str = "gloo", env: dict[str, str] | None = None,
+                    collective_timeout_s: float | None = None) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``, each in its own process.
 
     ``fn`` must be importable (a module-level function) because ranks are spawned.
+    ``collective_timeout_s``: the default group's timeout (None: torch's default).
     """
-    return DistributedJob(fn, world_size, *args, backend=backend, env=env).wait(timeout)
+    return DistributedJob(fn, world_size, *args, backend=backend, env=env,
+                          collective_timeout_s=collective_timeout_s).wait(timeout)

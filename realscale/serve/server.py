@@ -23,10 +23,17 @@ an update anyway). ``GET /realscale/weight_hashes`` (ours, for tests) returns ev
 hash per tensor of its flat weight buffer. If a rank dies, ``/health`` answers 503 and,
 under :func:`serve`, the process exits with a log line saying which rank died.
 
-Departures from SGLang, on purpose: ``/health_generate`` answers 200 while the server
-is paused or busy if the scheduler is alive (SGLang would queue its probe behind the
-pause); ``n > 1``, penalties, grammars, multimodal inputs, LoRA, input-token log-probs
-and the other features :mod:`~realscale.serve.protocol` lists are refused with 400.
+Health as strict as SGLang's: ``/health`` is ``/health_generate`` (unless
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false, as in SGLang), a one-token probe
+generation that, while the server is paused, waits for the resume and answers 503 after
+``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20; pinned SGLang: http_server.py:218,
+721-799), so a client that probes a paused server fails here as it would on SGLang.
+``/model_info`` and ``/get_server_info`` answer at once, paused or not. (Stricter on one
+point: SGLang's waiting probe also passes when any other scheduler output arrives.)
+
+Departures from SGLang, on purpose: ``n > 1``, penalties, grammars, multimodal inputs,
+LoRA, input-token log-probs and the other features :mod:`~realscale.serve.protocol`
+lists are refused with 400.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ from realscale.serve.weights import read_hf_config
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "realscale-embedded-0.1"
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT (http_server.py:218)
+HEALTH_POLL_S = 0.05  # how often a health probe waiting behind a pause looks again
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
 
@@ -102,6 +111,9 @@ class EmbeddedServer:
         self.default_max_new_tokens = default_max_new_tokens
         self.args = {"model_path": self.model_path, "device": device, "dtype": dtype, "max_running_requests": max_running,
                      "context_length": self.context_length, "random_seed": seed}
+        # SGLang's health-check settings, read from SGLang's variables (module docstring)
+        self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+        self.health_generates = _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)
 
     def _rank_failed(self, reason: str) -> None:
         self.engine.fail(reason)
@@ -471,6 +483,10 @@ class EmbeddedServer:
         return None
 
     async def health(self, request: web.Request) -> web.Response:
+        # SGLang: /health is the /health_generate handler unless
+        # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (http_server.py:721-723, 745-749)
+        if self.health_generates:
+            return await self.health_generate(request)
         if (reason := self._unhealthy()) is not None:
             return web.json_response({"error": reason}, status=503)
         return web.Response(status=200)
@@ -480,17 +496,29 @@ class EmbeddedServer:
         return web.Response(status=200 if self._unhealthy() is None and not self.engine.paused else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's probe (http_server.py:721-799): a one-token generation, 200 once the
+        scheduler answers, 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds. SGLang's probe
+        waits behind a pause like any request (tokenizer_manager.py:938-939), so while the
+        server is paused this one waits for the resume and answers 503 at the timeout."""
         if (reason := self._unhealthy()) is not None:
             return web.json_response({"error": reason}, status=503)
-        stats = self.engine.stats()
-        if stats["paused"] or stats["num_running_reqs"]:
-            return web.Response(status=200)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.health_check_timeout
+        failed = web.json_response({"error": f"no token generated within {self.health_check_timeout:g} s"},
+                                   status=503)
+        while self.engine.paused:
+            if loop.time() >= deadline:
+                return failed
+            await asyncio.sleep(min(HEALTH_POLL_S, max(0.0, deadline - loop.time())))
+        if self.engine.stats()["num_running_reqs"]:
+            return web.Response(status=200)  # SGLang: a running batch answers within a step
         probe = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                         params=P.parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(probe)), timeout=20)
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(probe)),
+                                   timeout=max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            return web.json_response({"error": "no token generated within 20 s"}, status=503)
+            return failed
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
@@ -514,6 +542,18 @@ class EmbeddedServer:
             # the protocol spoken is the pinned SGLang's; "frontend" says it is not SGLang
             "version": PINNED, "frontend": SERVER_VERSION, "realscale_rank_pids": self.ranks.pids(),
         })
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """A boolean variable as SGLang's ``EnvBool`` reads it (sglang/srt/environ.py:143-150)."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a valid boolean value")
 
 
 def _sse(obj: Any) -> bytes:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from realscale.algo.advantages import grpo_advantages, loo_advantages, masked_moments, normalize_by_moments
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
+from realscale.parallel.device import group_backend, to_comm
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import StageNeeds
 from realscale.train.critic import gae_advantages, token_rewards, update_critic
@@ -188,10 +189,13 @@ def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
 
 def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:
     """Advantages of every share normalised with the global batch's moments (this rank's
-    shares summed, then all-reduced over data-parallel ranks)."""
+    shares summed, then all-reduced over data-parallel ranks). The moments enter the
+    all-reduce through the device helper: the shares live on the host (the batch scatter
+    hands them back there), and NCCL takes only CUDA tensors."""
 
     moments = sum(masked_moments(s.fields["advantages"], s.fields["loss_mask"]) for s in shares)
     if dp_group is not None:
+        moments = to_comm(moments, group_backend(dp_group))
         dist.all_reduce(moments, group=dp_group)
     for s in shares:
         s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)

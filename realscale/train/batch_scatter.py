@@ -11,7 +11,11 @@ the trainer's world group and broadcasts over megatron's TP groups; gloo on CPU,
 GPUs with every buffer on the device, chosen by :mod:`realscale.parallel.device`):
 
 0. **start**: one barrier, so that a rank's ``seconds`` measure the transfer and not the
-   wait for rollouts.
+   wait for rollouts. The other ranks wait here for the driver's batch, which takes as
+   long as generation does (the first batch of a long-answer recipe: longer than NCCL's
+   10-minute watchdog), so the barrier is on a gloo side group with a one-day timeout
+   (:func:`realscale.parallel.device.wait_group`), never inside an NCCL collective;
+   every NCCL call below starts once the driver holds its batch.
 1. **DP hop**: for each data-parallel group ``d >= 1`` the driver sends the share of ``d``
    (the parts any of the group's stages reads) to the group's *entry*: its TP-rank-0
    process on the stage that reads the most (the last stage: it alone reads the loss
@@ -46,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from realscale.parallel.device import comm_device, to_comm
+from realscale.parallel.device import check_comm, comm_empty, to_comm, wait_group
 from realscale.train.batch import PackedBatch
 
 if TYPE_CHECKING:
@@ -127,6 +131,8 @@ class BatchScatter:
             raise RuntimeError(f"batch scatter: global rank 0 sits at (dp, pp, tp) = {self.topo.where[DRIVER]}, "
                                "expected (0, 0, 0) (megatron's rank order)")
         self.entry_stage = self._entry_stage()
+        # step 0's wait for the driver's batch: on a gloo side group (module docstring)
+        self.start_group = wait_group() if dist.get_world_size() > 1 else None
 
     # ------------------------------------------------------------------ the plan
 
@@ -176,8 +182,8 @@ class BatchScatter:
         if self.rank == DRIVER and (shares is None or len(shares) != r.dp):
             raise ValueError(f"batch scatter: the driver needs one list of shares per DP rank ({r.dp}), "
                              f"got {None if shares is None else len(shares)}")
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        if self.start_group is not None:
+            dist.barrier(group=self.start_group)
         start = time.perf_counter()
         stats = ScatterStats()
         held: dict[int, list[dict[str, torch.Tensor]]] = {}  # dp -> parts of each share, on this rank
@@ -241,14 +247,14 @@ def _header(parts: list[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> byte
     return json.dumps(head, separators=(",", ":")).encode()
 
 
-def _buffers(head: dict[str, Any], device: Any) -> list[dict[str, torch.Tensor]]:
-    """Empty receive buffers for every part a header announces."""
+def _buffers(head: dict[str, Any], backend: str) -> list[dict[str, torch.Tensor]]:
+    """Empty receive buffers for every part a header announces, on the comm device."""
     out = []
     for tokens, seqs in head["shares"]:
         bufs = {}
         for key, dtype, trailing in zip(head["keys"], head["dtypes"], head["trailing"]):
             rows = seqs + 1 if key == CU else tokens
-            bufs[key] = torch.empty((rows, *trailing), dtype=getattr(torch, dtype), device=device)
+            bufs[key] = comm_empty((rows, *trailing), getattr(torch, dtype), backend)
         out.append(bufs)
     return out
 
@@ -278,18 +284,18 @@ def _send(parts: list[dict[str, torch.Tensor]], keys: tuple[str, ...], dst: int,
     """Header, then every part of every share, to ``dst`` (asynchronous: the works)."""
 
     msgs = [*_header_tensors(parts, keys, backend), *(to_comm(p[k], backend) for p in parts for k in keys)]
-    return [dist.isend(t, dst) for t in msgs]
+    return [dist.isend(check_comm(t, backend, "batch scatter send"), dst) for t in msgs]
 
 
 def _recv(src: int, backend: str, stats: ScatterStats) -> list[dict[str, torch.Tensor]]:
-    device = comm_device(backend)
-    size = torch.empty(1, dtype=torch.int64, device=device)
+    size = comm_empty(1, torch.int64, backend)
     dist.recv(size, src)
-    raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    raw = comm_empty(int(size.item()), torch.uint8, backend)
     dist.recv(raw, src)
     head = json.loads(bytes(raw.cpu().numpy()))
-    bufs = _buffers(head, device)
-    for work in [dist.irecv(b[k], src) for b in bufs for k in head["keys"]]:
+    bufs = _buffers(head, backend)
+    for work in [dist.irecv(check_comm(b[k], backend, "batch scatter receive"), src) for b in bufs
+                 for k in head["keys"]]:
         work.wait()
     _account(stats, (size, raw), bufs)
     return _to_host(bufs)
@@ -301,17 +307,16 @@ def _tp_broadcast(parts: list[dict[str, torch.Tensor]] | None, keys: tuple[str, 
 
     group, sending = r.tp_group, r.tp_rank == 0
     src = dist.get_process_group_ranks(group)[0]
-    device = comm_device(backend)
     if sending:
         size, raw = _header_tensors(parts, keys, backend)
     else:
-        size = torch.empty(1, dtype=torch.int64, device=device)
+        size = comm_empty(1, torch.int64, backend)
     dist.broadcast(size, src, group=group)
     if not sending:
-        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        raw = comm_empty(int(size.item()), torch.uint8, backend)
     dist.broadcast(raw, src, group=group)
     head = json.loads(bytes(raw.cpu().numpy()))
-    bufs = [{k: to_comm(p[k], backend) for k in keys} for p in parts] if sending else _buffers(head, device)
+    bufs = [{k: to_comm(p[k], backend) for k in keys} for p in parts] if sending else _buffers(head, backend)
     for b in bufs:
         for k in head["keys"]:
             dist.broadcast(b[k], src, group=group)
@@ -328,6 +333,6 @@ def _positions(ranks: "RankInfo", backend: str) -> list[tuple[int, int, int]]:
     world = dist.get_world_size()
     if world == 1:
         return [tuple(mine.tolist())]
-    out = [to_comm(torch.empty(3, dtype=torch.int64), backend) for _ in range(world)]
+    out = [comm_empty(3, torch.int64, backend) for _ in range(world)]
     dist.all_gather(out, to_comm(mine, backend))
     return [tuple(int(x) for x in t.cpu().tolist()) for t in out]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
 from realscale.models.family import load_arch
 from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
-from realscale.parallel.device import local_device, to_comm
+from realscale.parallel.device import comm_empty, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.train.batch import PackedBatch, block_causal_mask
@@ -340,8 +340,9 @@ class MegatronEngine:
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
             logits = hidden[: mb.num_tokens, 0].float() @ self._output_weight(model).float().t()
             if self.ec.tp > 1:
-                shards = [torch.empty_like(logits) for _ in range(self.ec.tp)]
-                dist.all_gather(shards, logits.contiguous(), group=self.ranks.tp_group)
+                backend = group_backend(self.ranks.tp_group)
+                shards = [comm_empty(logits.shape, logits.dtype, backend) for _ in range(self.ec.tp)]
+                dist.all_gather(shards, to_comm(logits, backend), group=self.ranks.tp_group)
                 logits = torch.cat(shards, dim=1)
             return torch.zeros(()), {"logits": logits[:, : self.arch.vocab_size].cpu()}
 

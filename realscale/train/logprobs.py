@@ -53,6 +53,7 @@ from torch import Tensor
 
 from realscale.algo.packed import check_1d, check_cu_seqlens
 from realscale.algo.sampling import token_logprobs
+from realscale.parallel.device import comm_empty, group_backend, to_comm
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps the import lazy and None allowed
 
@@ -121,7 +122,10 @@ def _all_reduce(x: Tensor, op: str, group: ProcessGroup | None) -> None:
         return
 
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=group)
+        t = to_comm(x, group_backend(group))  # ``x`` itself: the logits' device is the group's
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+        if t is not x:
+            x.copy_(t)
 
 
 def _scaled_fp32(x: Tensor, temperature: float, fresh: bool = False) -> Tensor:
@@ -389,8 +393,9 @@ def reference_logprobs(logits_shard: Tensor, targets: Tensor, *, temperature: fl
     full = logits_shard
     _, world = _group_rank_world(tp_group)
     if world > 1:
-        parts = [torch.empty_like(logits_shard) for _ in range(world)]
-        dist.all_gather(parts, logits_shard.contiguous(), group=tp_group)
+        backend = group_backend(tp_group)
+        parts = [comm_empty(logits_shard.shape, logits_shard.dtype, backend) for _ in range(world)]
+        dist.all_gather(parts, to_comm(logits_shard, backend), group=tp_group)
         full = torch.cat(parts, dim=1)
     full = full[:, :true_vocab_size]
     lp = token_logprobs(full, targets, temperature)

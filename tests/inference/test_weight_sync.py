@@ -69,7 +69,7 @@ def test_trainer_streams_buckets_to_server(tmp_path) -> None:
         assert n_buckets > 1
         # SGLang's sequence: join, pause, one session of n_buckets updates, the version and
         # the cache flush with the last one only, resume
-        weight_calls = [(p, b) for _, p, b in seen if p not in ("/health", "/get_server_info")]
+        weight_calls = [(p, b) for _, p, b in seen if p not in ("/health", "/model_info", "/get_server_info")]
         assert [p for p, _ in weight_calls] == (["/init_weights_update_group", "/pause_generation",
                                                 "/begin_weight_update"]
                                                + ["/update_weights_from_distributed"] * n_buckets

@@ -71,3 +71,28 @@ def test_the_weight_world_buffers_follow_the_helper() -> None:
     assert group_backend(pg) == "gloo" and buf.device == comm_device(group_backend(pg))
     pg.allreduce([buf.fill_(1.0)]).wait()  # it enters the collective as it is
     assert buf.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_device_contract_catches_a_tensor_that_skipped_the_helper(monkeypatch) -> None:
+    """REALSCALE_DEVICE_CONTRACT=nccl: on gloo, only tensors the helper made (or views of
+    them) may enter a collective, as only those would be on the GPU under NCCL; a real
+    NCCL collective takes CUDA tensors only. Off: no check."""
+    from realscale.parallel.device import CONTRACT_ENV, BackendError, DeviceContractError, check_comm
+
+    monkeypatch.setenv(CONTRACT_ENV, "nccl")
+    host = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(DeviceContractError, match="did not come from realscale.parallel.device.to_comm"):
+        check_comm(host, "gloo")
+    with pytest.raises(DeviceContractError, match="NCCL takes CUDA tensors only"):
+        check_comm(host, "nccl")  # a stray .cpu() on the NCCL path
+    moved, buf = to_comm(host.clone(), "gloo"), comm_empty((2, 3), torch.int64, "gloo")
+    assert check_comm(moved, "gloo") is moved
+    check_comm(buf, "gloo")
+    check_comm(buf.view(-1)[1:4], "gloo")  # a view of a helper's buffer
+    with pytest.raises(DeviceContractError):
+        check_comm(moved * 2, "gloo")  # computed from one, but not the helper's
+    monkeypatch.setenv(CONTRACT_ENV, "off")
+    check_comm(host, "gloo")
+    monkeypatch.setenv(CONTRACT_ENV, "cuda")
+    with pytest.raises(BackendError, match=CONTRACT_ENV):
+        check_comm(host, "gloo")

@@ -12,6 +12,7 @@ import recompute_cases
 from realscale.config import load_config
 from realscale.models.tiny import resolve_model_path
 from realscale.parallel.spawn import run_distributed
+from realscale.planner.apply import apply_plan
 from realscale.train.engine import EngineConfig
 
 pytestmark = pytest.mark.multiproc
@@ -47,6 +48,11 @@ def test_train_recompute_knob_and_plan_reach_the_engine(tmp_path) -> None:
                     "  actor_train: {mesh: '2:4', strategy: d2t1p1, recompute: full}\n")
     assert EngineConfig.from_config(load_config(None, []), "m").recompute == "none"
     assert EngineConfig.from_config(load_config(None, ["train.recompute=selective"]), "m").recompute == "selective"
-    assert EngineConfig.from_config(load_config(None, [f"parallel.plan={plan}"]), "m").recompute == "full"
-    assert EngineConfig.from_config(load_config(None, [f"parallel.plan={plan}", "train.recompute=none"]),
-                                    "m").recompute == "none"
+    # auto is resolved before any process starts, by apply_plan (the supervisor's first step)
+    planned = apply_plan(load_config(None, [f"parallel.plan={plan}", "model.path=tiny-qwen2"]))
+    assert planned.train.recompute == "full"
+    assert EngineConfig.from_config(planned, "m").recompute == "full"
+    assert EngineConfig.from_config(apply_plan(load_config(None, [f"parallel.plan={plan}", "model.path=tiny-qwen2",
+                                                                  "train.recompute=none"])), "m").recompute == "none"
+    with pytest.raises(RuntimeError, match="apply_plan resolves it"):  # never silently "none" on a planned run
+        EngineConfig.from_config(load_config(None, [f"parallel.plan={plan}"]), "m")

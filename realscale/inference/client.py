@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import aiohttp
 
-from realscale.inference.dialect import Dialect, Segment, parse_version
+from realscale.inference.dialect import Dialect
 from realscale.inference.timeouts import RequestTimeouts
 from realscale.inference.vllm_dialect import VllmDialect
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

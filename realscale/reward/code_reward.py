@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from realscale.reward import plain
-from realscale.reward.code_tests import (CallTests, CheckTests, CodeTests, StdioTests, answer_matches, parse_tests,
+from realscale.reward.code_tests import (CallTests, CodeTests, StdioTests, answer_matches, parse_tests,
                                          stdout_matches)
 from realscale.reward.result import ERROR, NO_ANSWER, OK, REASONS, SANDBOX, TIMEOUT, TOO_LONG, RewardResult
 from realscale.reward.sandbox import (UID_BASE, Isolation, RunResult, Sandbox, SandboxLimits, SandboxRefused,

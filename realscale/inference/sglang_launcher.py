@@ -54,9 +54,19 @@ def check_sglang_version(installed: str | None = None) -> str:
 
 def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", *, tp: int = 1,
                    context_length: int = 0, max_running_requests: int = 0, mem_fraction_static: float = 0.0,
-                   dtype: str = "auto", seed: int = 0, weight_version: str = "0",
+                   dtype: str = "auto", seed: int = 0, weight_version: str = "0", pause_mode: str = "abort",
                    extra: list[str] | None = None) -> list[str]:
-    """The ``sglang.launch_server`` argv for one server."""
+    """The ``sglang.launch_server`` argv for one server.
+
+    ``pause_mode`` other than abort turns SGLang's prefix (radix) cache off. A weight
+    update under a retract / in_place pause finds requests still on the server, so
+    SGLang refuses the cache flush (``flush_cache`` answers 400 while requests run:
+    ``scheduler_components/weight_updater.py:120``, ``scheduler.py:5518`` in 0.5.23) and
+    keeps the prefix KV of the old weights: measured on SGLang-on-CPU
+    (scripts/sglang_cpu/smoke.py), a later request sharing that prefix reused 7 stale
+    tokens and sampled other tokens (log-probs off by up to 0.91). Without a prefix
+    cache there is nothing stale to reuse; after an abort pause nothing runs and the
+    flush succeeds."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp), "--dtype", dtype, "--random-seed", str(seed),
            "--weight-version", str(weight_version), "--skip-server-warmup"]
@@ -66,6 +76,8 @@ def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", *, tp: i
         cmd += ["--max-running-requests", str(max_running_requests)]
     if mem_fraction_static:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    if pause_mode != "abort":
+        cmd += ["--disable-radix-cache"]
     return cmd + list(extra or [])
 
 
@@ -98,7 +110,7 @@ def launch_sglang(cfg: GenerateConfig, model_path: str, gpu_ids: list[list[int]]
         port = cfg.base_port + i
         cmd = sglang_command(model_path, port, cfg.host, tp=len(gpus), context_length=cfg.context_length,
                              max_running_requests=cfg.max_running_requests,
-                             mem_fraction_static=cfg.mem_fraction_static)
+                             mem_fraction_static=cfg.mem_fraction_static, pause_mode=cfg.pause_mode)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
         log = open(os.path.join(log_dir, f"sglang_{i}.log"), "ab")  # noqa: SIM115 - lives with the process
         servers.append((f"http://{cfg.host}:{port}", subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, Mapping, MutableMapping
 
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
@@ -23,7 +24,7 @@ from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 from realscale.parallel.device import cuda_usable
-from realscale.parallel.net import advertised_host, free_port
+from realscale.parallel.net import advertised_host, free_port, interface_of, node_address
 
 
 def _threads(denv: DistEnv) -> int:
@@ -33,16 +34,56 @@ def _threads(denv: DistEnv) -> int:
     return rank_threads(max(1, denv.local_world_size))
 
 
-def bootstrap(out_dir: str) -> DistEnv:
+def job_nodes_count(env: Mapping[str, str]) -> int:
+    """How many nodes the Slurm job spans (1 outside Slurm)."""
+    return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1")
+
+
+def node_network(env: MutableMapping[str, str], peer: str | None) -> str | None:
+    """A process of a job that spans nodes: this node's address on the network that
+    reaches ``peer`` (the node srun ran on, ``SLURM_LAUNCH_NODE_IPADDR``, else ``peer``),
+    advertised to the other nodes (``REALSCALE_ADVERTISE_HOST``: the weight-update
+    group's store, server URLs), and the interface that holds it for gloo
+    (``GLOO_SOCKET_IFNAME``; never a guessed ``eth0``). Both only where unset:
+    ``launch.env`` wins. None (nothing set) when no peer is known or it does not resolve."""
+    peer = env.get("SLURM_LAUNCH_NODE_IPADDR") or peer
+    if not peer:
+        return None
+    try:
+        addr = node_address(peer)
+    except OSError:  # the peer's name does not resolve here: leave gloo's own choice
+        return None
+    env.setdefault("REALSCALE_ADVERTISE_HOST", addr)
+    ifname = interface_of(addr)
+    if ifname:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    return addr
+
+
+def bootstrap(out_dir: str, env: MutableMapping[str, str] = os.environ) -> DistEnv:
     """Set this process's torch.distributed variables (RANK ... MASTER_PORT) from its
-    launcher's; the rendezvous file, if needed, lives under ``out_dir``."""
-    denv = derive(os.environ)
-    denv = rendezvous(denv, os.path.join(launch_dir(out_dir), "rdzv", job_key(os.environ)))
-    os.environ.update(denv.exported())
+    launcher's; the rendezvous file, if needed, lives under ``out_dir``.
+
+    Ranks on several nodes: rank 0 publishes its node's address (:func:`node_network`)
+    as MASTER_ADDR, not the first node's Slurm name (a ``NodeName`` need not resolve;
+    a host name may resolve to loopback on its own node)."""
+    denv = derive(env)
+    if denv.local_world_size < denv.world_size or job_nodes_count(env) > 1:
+        addr = node_network(env, denv.master_addr)
+        if addr and denv.source == "slurm" and not env.get("MASTER_ADDR") and not env.get("MASTER_PORT"):
+            denv = replace(denv, master_addr=addr if denv.rank == 0 else None)  # the others read it from rank 0
+    denv = rendezvous(denv, os.path.join(launch_dir(out_dir), "rdzv", job_key(env)))
+    env.update(denv.exported())
     if denv.master_addr not in ("127.0.0.1", "localhost"):
         # servers on other nodes join rank 0's weight-update group at this address
-        os.environ.setdefault("REALSCALE_ADVERTISE_HOST", socket.gethostname())
+        env.setdefault("REALSCALE_ADVERTISE_HOST", socket.gethostname())
     return denv
+
+
+def whereabouts(env: Mapping[str, str] = os.environ) -> str:
+    """Where this process runs, for its log's first line: host, advertised address, gloo's interface."""
+    return (f"{socket.gethostname()} (advertised {env.get('REALSCALE_ADVERTISE_HOST') or 'host name'}, "
+            f"gloo interface {env.get('GLOO_SOCKET_IFNAME') or 'by host name'})")
 
 
 def trainer_rank(spec_path: str, rank_entry: Callable[[dict[str, Any], str, list[str], str], None]) -> int:
@@ -50,6 +91,8 @@ def trainer_rank(spec_path: str, rank_entry: Callable[[dict[str, Any], str, list
     :func:`realscale.trainer.rank_main`, passed in by the command)."""
     spec = RunSpec.load(spec_path)
     denv = bootstrap(spec.out_dir)
+    print(f"realscale rank {denv.rank}/{denv.world_size} (local {denv.local_rank}/{denv.local_world_size}) on "
+          f"{whereabouts()}, master {denv.master_addr}:{denv.master_port}", flush=True)
     import torch
 
     torch.set_num_threads(_threads(denv))
@@ -67,6 +110,8 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
         raise ValueError(f"{spec_path}: no url_dir: this spec was not written for a server step")
     gen: dict[str, Any] = spec.config["generate"]
     seed = int(spec.config["run"]["seed"]) + index
+    if job_nodes_count(os.environ) > 1:  # trainer ranks on other nodes reach this server
+        node_network(os.environ, None)
     if gen["backend"] == "sglang":
         return _exec_sglang(spec, gen, index, seed)
     if gen["backend"] == "vllm":
@@ -87,7 +132,7 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     sock.bind((gen["host"], 0))
     url = f"http://{advertised_host(gen['host'])}:{sock.getsockname()[1]}"
     _publish(spec.url_dir, index, url)
-    print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s))", flush=True)
+    print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s)) on {whereabouts()}", flush=True)
     return serve(server, sock=sock)
 
 
@@ -108,7 +153,8 @@ def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
     cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
                          max_running_requests=int(gen["max_running_requests"]),
-                         mem_fraction_static=float(gen["mem_fraction_static"]), seed=seed)
+                         mem_fraction_static=float(gen["mem_fraction_static"]), seed=seed,
+                         pause_mode=str(gen["pause_mode"]))
     _publish(spec.url_dir, index, f"http://{advertised_host(gen['host'])}:{port}")
     sys.stdout.flush()
     os.execv(cmd[0], cmd)

@@ -117,7 +117,7 @@ def test_launcher_options_exist() -> None:
 
     options = _server_options()
     ours = {a for a in sglang_command("/m", 1, tp=2, context_length=8, max_running_requests=2,
-                                      mem_fraction_static=0.5) if a.startswith("--")}
+                                      mem_fraction_static=0.5, pause_mode="in_place") if a.startswith("--")}
     assert ours <= options, sorted(ours - options)
 
 

@@ -140,3 +140,14 @@ def test_distributed_update_into_real_sglang(tmp_path) -> None:
         assert reply["meta_info"]["weight_version"] == "5"
     finally:
         server.kill()
+
+
+def test_a_pause_that_keeps_requests_turns_the_prefix_cache_off() -> None:
+    """SGLang 0.5.23 refuses the cache flush of an update made while requests wait
+    (retract / in_place) and keeps the old weights' prefix KV; its prefix cache must be off
+    then. After an abort pause nothing runs, the flush succeeds, and the cache may stay."""
+    assert "--disable-radix-cache" not in sglang_command("/m", 30001)
+    assert "--disable-radix-cache" not in sglang_command("/m", 30001, pause_mode="abort")
+    for mode in ("retract", "in_place"):
+        assert "--disable-radix-cache" in sglang_command("/m", 30001, pause_mode=mode)
+

@@ -100,7 +100,7 @@ class InferenceClient:
 
     def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 5.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
-                 max_interruptions: int = 100, pool_size: int = 256, dialect: Dialect | None = None,
+                 max_interruptions: int = 100, per_server: int = 0, dialect: Dialect | None = None,
                  timeout_slack: float = 4.0) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.dialect = dialect or Dialect()
@@ -115,7 +115,10 @@ class InferenceClient:
         self.backoff = backoff
         self.health_interval = health_interval
         self.max_interruptions = max_interruptions
-        self.pool_size = pool_size
+        # connections (= requests in flight) per server; 0: no cap here. There is no cap on
+        # the total: the staleness rule sets how many requests run at once (a fixed pool of
+        # 256 capped a 36-server cluster at 3% of its decode slots).
+        self.per_server = per_server
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._group_urls: list[str] = []  # members of the weight-update group, in rank order
@@ -123,6 +126,10 @@ class InferenceClient:
         # rank 0's server control): no /health probe, which would generate on SGLang.
         self.servers_paused = False
         self._paused_urls: set[str] = set()  # the servers the last pause() reached
+
+    def occupancy(self) -> dict[str, int]:
+        """Requests this client has in flight, by server URL."""
+        return {s.url: s.in_flight for s in self.servers}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,7 +142,7 @@ class InferenceClient:
 
     async def start(self) -> None:
         if self._session is None:
-            conn = aiohttp.TCPConnector(limit=self.pool_size, limit_per_host=self.pool_size)
+            conn = aiohttp.TCPConnector(limit=0, limit_per_host=self.per_server)
             self._session = aiohttp.ClientSession(connector=conn)
             self._health_task = asyncio.create_task(self._health_loop())
 

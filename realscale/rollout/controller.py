@@ -63,7 +63,7 @@ from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.workflows import Workflow
 
 if TYPE_CHECKING:
-    from realscale.config import Config
+    from realscale.config import Config, GenerateConfig
     from realscale.data.dataset import PromptDataset
 
 log = logging.getLogger(__name__)
@@ -266,8 +266,15 @@ class RolloutController:
                     "requeued": len(self._requeue) + self._delayed, "capacity": st.capacity(self._version),
                     "due_waits": self._due_waits, "generated_tokens": self._generated_tokens,
                     "paused": self._paused, "exhausted": self._exhausted,
+                    **self._occupancy(),
                     "staleness_hist": dict(sorted(self._lag_hist.items())),
                     "submitted_by_version": dict(sorted(self._submit_versions.items()))}
+
+    def _occupancy(self) -> dict[str, int]:
+        """Requests in flight in all and on the busiest server (``rollout/inflight``)."""
+        by_server = self.client.occupancy() if self.client is not None else {}
+        return {"inflight": sum(by_server.values()), "inflight_server_max": max(by_server.values(), default=0),
+                "servers_in_rotation": sum(not s.retired for s in self.client.servers) if self.client else 0}
 
     def state_dict(self) -> dict[str, Any]:
         """Dataset position + pending sample uids + counters (see the module docstring)."""
@@ -550,7 +557,17 @@ def client_kwargs(cfg: Config) -> dict[str, Any]:
     """InferenceClient options from ``cfg.generate``: the controller's client and rank 0's
     server-control client are made alike."""
     g = cfg.generate
-    return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend)}
+    return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend),
+            "per_server": connections_per_server(g)}
+
+
+def connections_per_server(gen: GenerateConfig) -> int:
+    """Requests a server may have in flight from the rollouts: twice its decode slots
+    (``generate.max_running_requests``; the second half waits in the server's own queue,
+    so a finishing request's slot is refilled without a round trip). 0 when the server
+    sets its own limit (SGLang, vLLM without the knob): no cap here, the staleness rule's
+    capacity bounds the total."""
+    return 2 * gen.max_running_requests if gen.max_running_requests > 0 else 0
 
 
 def client_factory(cfg: Config, urls: Sequence[str]) -> Callable[[], InferenceClient]:

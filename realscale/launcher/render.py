@@ -130,6 +130,10 @@ def render_sbatch(name: str, recipe: str, overrides: list[str], cfg: Config, pla
             f"#SBATCH --nodes={L.nodes}"]
     if L.gpus_per_node:
         head += [f"#SBATCH --gpus-per-node={L.gpus_per_node}", f"#SBATCH --ntasks-per-node={L.gpus_per_node}"]
+    elif L.nodes > 1:
+        # CPU job across nodes: the same tasks (CPUs) on every node; a bare --ntasks lets
+        # Slurm split them unevenly (3 + 1), and the placement counts CPUs per node
+        head.append(f"#SBATCH --ntasks-per-node={math.ceil((L.ntasks or cfg.parallel.world_size) / L.nodes)}")
     else:
         head.append(f"#SBATCH --ntasks={L.ntasks or cfg.parallel.world_size}")
     if L.cpus_per_task:

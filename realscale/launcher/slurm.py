@@ -25,7 +25,8 @@ On CPU jobs the steps share the allocation's CPUs (``--overlap``); on GPU jobs t
 disjoint GPUs (``--exact``).
 
 GPU paths (SGLang servers, NCCL over InfiniBand) are written but not run here: CI has a
-real one-node CPU Slurm cluster only (``.ci/slurm_up.sh``).
+real one-node CPU Slurm cluster (``.ci/slurm_up.sh``) and a two-node one whose nodes are
+network namespaces (``.ci/cluster_up.sh 2``, tests/launch/test_multinode.py).
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ def allocation_slots(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.
 
 def placement(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ) -> Placement:
     """Place servers and ranks on the job's nodes: from the plan on GPU jobs, everywhere
-    (servers first) on CPU jobs. A plan must fit the allocation (the rule of
+    (servers first) on CPU jobs, or from the plan on CPU jobs across nodes (its meshes
+    over the job's CPUs, node by node). A plan must fit the allocation (the rule of
     :mod:`realscale.planner.validate`, the same as the local backend's)."""
     world = cfg.parallel.world_size
     servers = 0 if cfg.parallel.mode == "colocated" else cfg.generate.num_servers  # colocated: the ranks generate
     if cfg.launch.gpus_per_node == 0:
         _check_fits(cfg, nodes, env)
+        if cfg.parallel.plan and len(nodes) > 1 and cfg.parallel.mode != "colocated":
+            return _cpu_plan_placement(cfg, nodes, env, servers, world)
         return Placement(nodes if servers else [], servers, 0, nodes, world, 0)
     if not cfg.parallel.plan:
         raise LaunchError("a GPU job (launch.gpus_per_node > 0) needs parallel.plan: render one with "
@@ -138,6 +142,22 @@ def placement(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ
         place = Placement([], 0, 0, train_nodes, world, 1)
     _check_fits(cfg, nodes, env)
     return place
+
+
+def _cpu_plan_placement(cfg: Config, nodes: list[str], env: Mapping[str, str], servers: int,
+                        world: int) -> Placement:
+    """A CPU job across nodes with a plan: the plan's meshes number the job's CPUs node by
+    node (``SLURM_CPUS_ON_NODE`` each, as GPU meshes number GPUs), so ``actor_gen`` on
+    CPUs 0:2 and ``actor_train`` on 2:4 of two 2-CPU nodes put the servers on the first
+    node and the trainer ranks on the second. A plan larger than the job's CPUs
+    (``launch.oversubscribe``) runs everywhere, as without a plan."""
+    per_node = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    plan = Plan.load(cfg.parallel.plan)
+    gen, train = plan.roles["actor_gen"], plan.roles["actor_train"]
+    if max(gen.mesh.end, train.mesh.end) > per_node * len(nodes):
+        return Placement(nodes if servers else [], servers, 0, nodes, world, 0)
+    return Placement(_mesh_nodes(gen.mesh.start, gen.mesh.size, per_node, nodes) if servers else [], servers, 0,
+                     _mesh_nodes(train.mesh.start, train.mesh.size, per_node, nodes), world, 0)
 
 
 def _check_fits(cfg: Config, nodes: list[str], env: Mapping[str, str]) -> None:
@@ -283,7 +303,7 @@ class SlurmBackend:
         if shutil.which("srun") is None:
             raise LaunchError("launch.backend=slurm but srun is not on PATH")
         self.nodes = job_nodes(self.env)
-        self.place = placement(cfg, self.nodes)
+        self.place = placement(cfg, self.nodes, self.env)
         if len(self.nodes) > 1 and cfg.generate.host in ("127.0.0.1", "localhost"):
             raise LaunchError(f"generate.host={cfg.generate.host} is reachable only on its own node; a "
                               f"{len(self.nodes)}-node job needs generate.host=0.0.0.0")

@@ -68,6 +68,9 @@ def test_expand_hostlist() -> None:
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol not installed (bash .ci/slurm_up.sh)")
 def test_expansion_matches_scontrol() -> None:
+    probe = subprocess.run(["scontrol", "show", "hostnames", "vm"], capture_output=True, text=True)
+    if probe.returncode != 0:  # installed (e.g. by .ci/cluster_up.sh) but no slurm.conf to read
+        pytest.skip(f"scontrol cannot run here: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
     for text in ("gpu[01-03,7],login1", "n[1-2]r[1-2]", "node[098-101]", "vm"):
         ref = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True).stdout.split()
         assert expand_hostlist(text) == ref == slurm_hostnames(text), text
@@ -94,3 +97,48 @@ def test_file_rendezvous_gives_every_rank_rank0s_port(tmp_path) -> None:
 def test_rendezvous_times_out_with_a_clear_error(tmp_path) -> None:
     with pytest.raises(DistEnvError, match="did not publish its address"):
         rendezvous(DistEnv(1, 2, 1, 2, None, None, "openmpi"), str(tmp_path / "never"), timeout=0.3)
+
+
+def _step_env(procid: int, **extra: str) -> dict[str, str]:
+    """A trainer task of a two-node Slurm step (one task per node)."""
+    return {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "2", "SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_LOCALID": "0", "SLURM_NODEID": str(procid), "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_STEP_NODELIST": "cn[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1",
+            **extra}
+
+
+def test_multi_node_ranks_publish_an_address_and_bind_gloo_to_its_interface(tmp_path) -> None:
+    """Across nodes, rank 0 publishes its node's address (the Slurm node name ``cn1`` may
+    not resolve: here it does not), every rank advertises its own and binds gloo to the
+    interface that holds it (the route to the node srun ran on: loopback here)."""
+    from realscale.launcher.roles import bootstrap
+
+    envs = {r: _step_env(r) for r in (0, 1)}
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, bootstrap(str(tmp_path), envs[r])))
+               for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got[0].master_addr == got[1].master_addr == "127.0.0.1" and got[0].master_port == got[1].master_port
+    for env in envs.values():
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["REALSCALE_ADVERTISE_HOST"] == "127.0.0.1"
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    # launch.env wins (GLOO_SOCKET_IFNAME, MASTER_ADDR), and a one-node job is left as it was
+    env = _step_env(0, GLOO_SOCKET_IFNAME="ib0", MASTER_ADDR="10.9.9.9", MASTER_PORT="29400")
+    assert bootstrap(str(tmp_path), env).master_addr == "10.9.9.9" and env["GLOO_SOCKET_IFNAME"] == "ib0"
+    one = {**_step_env(0), "SLURM_JOB_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "SLURM_STEP_NODELIST": "cn1", "SLURM_JOB_ID": "42"}
+    assert bootstrap(str(tmp_path), one).master_addr == "cn1" and "GLOO_SOCKET_IFNAME" not in one
+
+
+def test_a_server_of_a_multi_node_job_advertises_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from realscale.launcher.roles import node_network
+    from realscale.parallel.net import advertised_host
+
+    env = {"SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}
+    assert node_network(env, None) == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert node_network({}, None) is None and node_network({}, "no-such-host.invalid") is None
+    monkeypatch.setenv("REALSCALE_ADVERTISE_HOST", "10.1.2.3")
+    assert advertised_host("0.0.0.0") == "10.1.2.3" and advertised_host("10.0.0.5") == "10.0.0.5"

@@ -140,3 +140,36 @@ def test_a_colocated_plan_is_one_step_of_trainer_tasks(tmp_path: Path, monkeypat
     backend = slurm.SlurmBackend(tiny, str(tmp_path / "run"), env={"SLURM_JOB_NODELIST": "vm", "SLURM_JOB_ID": "7"})
     backend.start_ranks(print, 2, ({}, "m", [], str(tmp_path / "run")))
     assert len(started) == 1 and "--ntasks=2" in started[0] and "--job-name=rs-trainer" in started[0]
+
+
+def test_cpu_plan_across_nodes_places_servers_and_ranks_on_their_nodes(tmp_path: Path) -> None:
+    """A CPU job across nodes with a plan: the meshes number the job's CPUs node by node
+    (SLURM_CPUS_ON_NODE each), as GPU meshes number GPUs; without a plan, or one larger
+    than the job (oversubscribed), everything runs everywhere."""
+    from realscale.planner.apply import apply_plan
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("mode: disaggregated\nroles:\n  actor_gen: {mesh: '0:1', strategy: d1t1p1}\n"
+                    "  actor_train: {mesh: '2:4', strategy: d2t1p1}\n")
+    cfg = apply_plan(load_config(str(REPO / "configs" / "ppo_tiny_slurm.yaml"), [f"parallel.plan={plan}"]))
+    cpus = {"SLURM_CPUS_ON_NODE": "2"}
+    p = placement(cfg, ["n1", "n2"], cpus)
+    assert (p.server_nodes, p.servers, p.train_nodes, p.ranks) == (["n1"], 1, ["n2"], 2)
+    assert placement(cfg, ["n1"], {"SLURM_CPUS_ON_NODE": "4"}).train_nodes == ["n1"]  # one node: as before
+    cfg.launch.oversubscribe = True
+    p = placement(cfg, ["n1", "n2"], {"SLURM_CPUS_ON_NODE": "1"})
+    assert (p.server_nodes, p.train_nodes) == (["n1", "n2"], ["n1", "n2"])
+    p = placement(load_config(str(REPO / "configs" / "ppo_tiny_slurm.yaml")), ["n1", "n2"], cpus)
+    assert (p.server_nodes, p.train_nodes) == (["n1", "n2"], ["n1", "n2"])  # no plan: dp across the nodes
+
+
+def test_a_multi_node_cpu_job_asks_for_tasks_per_node() -> None:
+    """--ntasks alone lets Slurm split a CPU job's tasks unevenly over its nodes (3 + 1);
+    the placement counts each node's CPUs, so the header asks for the same on each."""
+    from realscale.launcher.render import render_sbatch
+
+    recipe = str(REPO / "configs" / "ppo_tiny_slurm.yaml")
+    two = render_sbatch("t", "r.yaml", [], load_config(recipe, ["launch.nodes=2", "launch.ntasks=3"]))
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in two and "--ntasks=" not in two
+    one = render_sbatch("t", "r.yaml", [], load_config(recipe))
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=2\n" in one and "ntasks-per-node" not in one

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
 from realscale.models.family import load_arch
 from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
-from realscale.parallel.device import comm_empty, group_backend, local_device, to_comm
+from realscale.parallel.device import comm_device, comm_empty, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.train.batch import PackedBatch, block_causal_mask
@@ -529,13 +529,21 @@ class MegatronEngine:
                             pp_ranks=r.pp_ranks, pp_rank=r.pp_rank,
                             is_sender_column=r.tp_rank == 0 and r.dp_rank == 0)
 
-    def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None) -> Iterator[list]:
+    def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
+                          device: torch.device | str | None = None) -> Iterator[list]:
         """HF-named full tensors in buckets, yielded on global rank 0; every rank of the
-        trainer must iterate it to the end (there are collectives inside)."""
+        trainer must iterate it to the end (there are collectives inside).
+
+        ``device``: where the tensors are yielded; default the device the trainer's
+        collectives use (its GPU under NCCL, the CPU under gloo), so a weight push hands
+        an engine's NCCL group tensors on the GPU (vLLM 0.32's ``PyNcclCommunicator``
+        asserts ``tensor.device == self.device``: ``pynccl.py:541``) and nothing is staged
+        through host memory on the way. Writing to disk asks for ``"cpu"``."""
 
         if self.ranks.dp_rank != 0:
             return iter(())
-        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t.cpu())
+        where = torch.device(device) if device is not None else comm_device(group_backend(None))
+        cast = (lambda t: t.to(device=where, dtype=dtype)) if dtype is not None else (lambda t: t.to(where))
         return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast)
 
     def hf_weight_bytes(self) -> int:
@@ -548,7 +556,7 @@ class MegatronEngine:
     def save_hf(self, out_dir: str) -> None:
         """Write an HF safetensors directory of the current weights (rank 0 writes)."""
 
-        buckets = self.export_hf_weights(bucket_bytes=256 << 20)
+        buckets = self.export_hf_weights(bucket_bytes=256 << 20, device="cpu")
 
         if dist.get_rank() == 0:
             save_hf(buckets, out_dir, self.hf_config)

@@ -46,3 +46,23 @@ def late_driver_batch(delay_s: float, num_seqs: int) -> dict[str, Any]:
     waited = time.monotonic() - start
     destroy_megatron()
     return {"seqs": sum(s.num_seqs for s in shares), "waited": waited}
+
+
+def export_devices(model_dir: str, tp: int) -> dict[str, list[str]]:
+    """Where the weight export yields its tensors: by default on the collective device
+    (here made a distinct device, ``meta``, so that a host copy shows), and on the CPU
+    when asked (the disk path)."""
+    import torch
+
+    import realscale.train.engine as E
+    from engine_cases import engine
+
+    eng = engine(model_dir, tp=tp, lr=None)
+    real = E.comm_device
+    E.comm_device = lambda backend: torch.device("meta")  # what the GPU is under NCCL
+    try:
+        default = sorted({str(t.device) for b in eng.export_hf_weights() for _, t in b})
+    finally:
+        E.comm_device = real
+    disk = sorted({str(t.device) for b in eng.export_hf_weights(device="cpu") for _, t in b})
+    return {"default": default, "disk": disk}

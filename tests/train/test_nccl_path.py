@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import pytest
+import nccl_path_cases as cases
 from nccl_path_cases import late_driver_batch, normalize_over_dp
 
+from realscale.models.tiny import resolve_model_path
 from realscale.parallel.device import CONTRACT_ENV
 from realscale.parallel.spawn import run_distributed
 
@@ -67,3 +69,14 @@ def test_the_default_group_timeout_comes_from_the_recipe(monkeypatch) -> None:
     device.init_distributed("gloo", 2400.0)
     assert seen["name"] == "gloo" and seen["timeout"].total_seconds() == 2400.0
     assert device.default_group_timeout_s() == 2400.0  # megatron's groups get it too (init_megatron)
+
+
+@pytest.mark.multiproc
+def test_the_weight_export_stays_on_the_collective_device() -> None:
+    """Issue 28 defect 2: the export cast every tensor ``.cpu()``, and vLLM 0.32's NCCL
+    weight engine refuses host tensors (``PyNcclCommunicator.broadcast`` asserts
+    ``tensor.device == self.device``, vllm/distributed/device_communicators/pynccl.py:541 in 0.32)."""
+    model_dir = resolve_model_path("tiny-qwen2")
+    out = run_distributed(cases.export_devices, 2, model_dir, 2, timeout=300)
+    assert out[0] == {"default": ["meta"], "disk": ["cpu"]}  # rank 0 yields; the others replay
+    assert out[1] == {"default": [], "disk": []}

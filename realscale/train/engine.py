@@ -120,6 +120,17 @@ def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
     return [idx for idx in pack_micro_batches(batch.seqlens().tolist(), max_tokens, dp=1, multiple_of=1)[0] if idx]
 
 
+def check_loaded(result: Any, ckpt_dir: str) -> None:
+    """Refuse a checkpoint whose weights do not match the model. The load itself is
+    non-strict only because Transformer Engine layers carry ``_extra_state`` entries that a
+    checkpoint written with the local spec lacks (and the other way round); any other
+    missing or unexpected key is a different model, which a silent load would train on."""
+    bad = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.endswith("._extra_state")]
+    if bad:
+        raise RuntimeError(f"checkpoint {ckpt_dir} does not match this model ({len(bad)} weights differ, e.g. "
+                           f"{', '.join(sorted(bad)[:3])}): it was written for another model or layout")
+
+
 class MegatronEngine:
     """A megatron-core GPT model on this rank's layout, with optimizer and scheduler."""
 
@@ -507,7 +518,7 @@ class MegatronEngine:
         state["common"] = None
         loaded = dist_checkpointing.load({k: v for k, v in state.items() if k != "common"}, ckpt_dir)
         common = dist_checkpointing.load_common_state_dict(ckpt_dir)["common"]
-        self.model.load_state_dict(loaded["model"], strict=False)
+        check_loaded(self.model.load_state_dict(loaded["model"], strict=False), ckpt_dir)
         if self.optimizer is not None and "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
             if common["scheduler"] is not None:

@@ -80,3 +80,18 @@ def test_the_weight_export_stays_on_the_collective_device() -> None:
     out = run_distributed(cases.export_devices, 2, model_dir, 2, timeout=300)
     assert out[0] == {"default": ["meta"], "disk": ["cpu"]}  # rank 0 yields; the others replay
     assert out[1] == {"default": [], "disk": []}
+
+
+def test_a_checkpoint_of_another_model_is_refused() -> None:
+    """Issue 28 defect 9: ``engine.load`` loaded with ``strict=False`` and said nothing
+    about weights the checkpoint lacked or had extra; only TE's ``_extra_state`` may differ."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from realscale.train.engine import check_loaded
+
+    check_loaded(_IncompatibleKeys([], []), "ckpt")
+    check_loaded(_IncompatibleKeys(["decoder.layers.0.self_attention.linear_qkv._extra_state"], []), "ckpt")
+    with pytest.raises(RuntimeError, match="does not match this model"):
+        check_loaded(_IncompatibleKeys(["decoder.layers.2.mlp.linear_fc1.weight"], []), "ckpt")
+    with pytest.raises(RuntimeError, match="does not match this model"):
+        check_loaded(_IncompatibleKeys([], ["output_layer.weight"]), "ckpt")

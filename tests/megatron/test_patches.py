@@ -46,7 +46,7 @@ def test_unsupported_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
 def test_rng_tracker_forks_cpu_streams() -> None:
     out = _run("""
         import os, torch, torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("realscale.parallel.spawn", fromlist=["x"]).free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("realscale.parallel.net", fromlist=["x"]).free_port()), RANK="0", WORLD_SIZE="1")
         dist.init_process_group("gloo")
         from realscale.parallel.megatron_state import Layout, init_megatron
         init_megatron(Layout(), seed=5)

@@ -191,8 +191,8 @@ class Trainer:
             return
         ctl = self.controller.stats()
         stats.update({f"rollout_ctl/{k}": v for k, v in ctl.items() if isinstance(v, (int, float))})
-        # in flight now, in all and on the busiest server (their caps: the staleness rule, and
-        # generate.max_running_requests per server)
+        # the most requests in flight at once during the step, in all and on one server (their
+        # caps: the staleness rule's capacity, and 2 x generate.max_running_requests per server)
         stats.update({"rollout/inflight": ctl["inflight"], "rollout/inflight_server_max": ctl["inflight_server_max"],
                       "rollout/servers_alive": ctl["servers_in_rotation"]})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})

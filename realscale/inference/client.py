@@ -119,6 +119,8 @@ class InferenceClient:
         # the total: the staleness rule sets how many requests run at once (a fixed pool of
         # 256 capped a 36-server cluster at 3% of its decode slots).
         self.per_server = per_server
+        self._in_flight_total = 0
+        self._peak_total = self._peak_server = 0  # since the last take_peaks()
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._group_urls: list[str] = []  # members of the weight-update group, in rank order
@@ -130,6 +132,14 @@ class InferenceClient:
     def occupancy(self) -> dict[str, int]:
         """Requests this client has in flight, by server URL."""
         return {s.url: s.in_flight for s in self.servers}
+
+    def take_peaks(self) -> tuple[int, int]:
+        """(most requests in flight at once in all, on one server) since the last call. A
+        snapshot would miss them: a step is logged just after its weight update, when an
+        abort pause has emptied every server and the resubmissions are still on their way."""
+        peaks = (self._peak_total, self._peak_server)
+        self._peak_total = self._peak_server = 0
+        return peaks
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,6 +225,9 @@ class InferenceClient:
                 await asyncio.sleep(self.backoff * 2 ** attempt)
                 continue
             server.in_flight += 1
+            self._in_flight_total += 1
+            self._peak_total = max(self._peak_total, self._in_flight_total)
+            self._peak_server = max(self._peak_server, server.in_flight)
             try:
                 if generation is not None:
                     return await self._generate_on(server, path, body, *generation), attempt
@@ -225,6 +238,7 @@ class InferenceClient:
                 await asyncio.sleep(self.backoff * 2 ** attempt * random.uniform(0.5, 1.0))
             finally:
                 server.in_flight -= 1
+                self._in_flight_total -= 1
         raise NoServerError(f"{path}: gave up after {self.max_retries + 1} attempts")
 
     async def _generate_on(self, server: _Server, path: str, body: dict[str, Any], rid: str, budget: int) -> Any:

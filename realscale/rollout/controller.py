@@ -271,10 +271,13 @@ class RolloutController:
                     "submitted_by_version": dict(sorted(self._submit_versions.items()))}
 
     def _occupancy(self) -> dict[str, int]:
-        """Requests in flight in all and on the busiest server (``rollout/inflight``)."""
-        by_server = self.client.occupancy() if self.client is not None else {}
-        return {"inflight": sum(by_server.values()), "inflight_server_max": max(by_server.values(), default=0),
-                "servers_in_rotation": sum(not s.retired for s in self.client.servers) if self.client else 0}
+        """The most requests in flight at once since the last stats, in all and on one
+        server (``rollout/inflight``), and the servers still in rotation."""
+        if self.client is None:
+            return {"inflight": 0, "inflight_server_max": 0, "servers_in_rotation": 0}
+        total, per_server = self.client.take_peaks()
+        return {"inflight": total, "inflight_server_max": per_server,
+                "servers_in_rotation": sum(not s.retired for s in self.client.servers)}
 
     def state_dict(self) -> dict[str, Any]:
         """Dataset position + pending sample uids + counters (see the module docstring)."""

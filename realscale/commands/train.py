@@ -13,7 +13,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
-from realscale.errors import UserError
+from realscale.errors import LaunchError, UserError
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -69,9 +69,6 @@ def _check_hardware(cfg: "Config") -> None:
         raise UserError(f"launch.gpus_per_node={cfg.launch.gpus_per_node}: this recipe is for GPU nodes and this "
                         "machine has no CUDA GPU; submit it to a GPU cluster (sbatch launch/slurm/<job>.sh) or run a "
                         "CPU recipe (configs/tiny_cpu.yaml)")
-    if cfg.generate.backend == "sglang":
-        raise UserError("generate.backend=sglang: SGLang servers need a CUDA GPU and this machine has none; use "
-                        "generate.backend=embedded")
 
 
 def preflight(cfg: "Config") -> None:
@@ -87,8 +84,13 @@ def preflight(cfg: "Config") -> None:
         raise UserError(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     _check_data(cfg.data.source)
     _check_hardware(cfg)
-    if cfg.generate.backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise UserError("generate.backend=sglang: SGLang is not installed (pip install -e \".[gpu]\")")
+    if cfg.generate.backend == "sglang":
+        from realscale.inference.sglang_launcher import check_sglang_version
+
+        try:
+            check_sglang_version()
+        except LaunchError as exc:
+            raise UserError(str(exc)) from None
     if cfg.generate.backend == "vllm":
         from realscale.inference.vllm_server import require_vllm
 

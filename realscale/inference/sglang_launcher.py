@@ -1,21 +1,35 @@
-"""Start real SGLang servers on GPUs (``generate.backend = sglang``).
+"""Start real SGLang servers (``generate.backend = sglang``): SGLang on GPUs, SGLang-on-CPU here.
 
-GPU-only: written against the pinned SGLang's ``python -m sglang.launch_server`` options
-(``sglang_reference.PINNED``; a contract test checks every option against its source) but
-NOT run on the CPU machine this project is developed on (no CUDA, SGLang not installed);
-its tests carry the ``gpu`` marker. The command line is built by a pure function
-(:func:`sglang_command`) so that part is checked everywhere. Before any server starts,
+Written against the pinned SGLang's ``python -m sglang.launch_server`` options
+(``sglang_reference.PINNED``; a contract test checks every option against its source).
+The argv and environment are built by pure functions (:func:`sglang_command`,
+:func:`sglang_env`) so every rule is checked without starting anything; the local
+launcher (:mod:`realscale.launcher.local`) and the Slurm server step
+(:mod:`realscale.launcher.roles`) both start servers this way. Before any server starts,
 :func:`check_sglang_version` refuses an installed SGLang outside ``SUPPORTED``.
+
+On a CPU machine the same server runs unmodified (``SGLANG_USE_CPU_ENGINE=1``; installed
+by ``scripts/sglang_cpu/install.sh`` into a venv of its own, run from there): the CI's
+``sglang`` tier starts it this way. What differs on CPU, and why:
+
+- :data:`CPU_FLAGS`: ``--device cpu``, the torch-native attention and the PyTorch sampler
+  (the default backends are CUDA kernels), no CUDA graphs, no grammar backend (xgrammar's
+  CPU build is not installed), ``--sleep-on-idle`` (an idle scheduler otherwise spins a
+  core, which a two-core machine shares with the trainer).
+- memory: SGLang-on-CPU sizes its KV pool from the host's memory times
+  ``--mem-fraction-static`` (0.8 of the GPU recipes would reserve most of the machine);
+  on CPU the pool is ``--max-total-tokens`` = every running request at full context
+  (:func:`cpu_kv_tokens`) within :data:`CPU_MEM_FRACTION` of the memory.
+- threads: ``generate.cpu_threads`` OpenMP threads per rank; with ``--tp-size`` above 1
+  SGLang asserts one NUMA node per rank unless ``SGLANG_CPU_OMP_THREADS_BIND`` gives each
+  rank its cores (``sglang/srt/utils/numa_utils.py``, ``init_threads_binding``), so
+  :func:`cpu_bind` splits this process's CPUs between the ranks.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -24,6 +38,11 @@ from realscale.inference.sglang_reference import PINNED, SUPPORTED
 
 if TYPE_CHECKING:
     from realscale.config import GenerateConfig
+
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--grammar-backend", "none", "--sleep-on-idle")
+CPU_MEM_FRACTION = 0.05
+CPU_INSTALL = "on a CPU machine `bash scripts/sglang_cpu/install.sh` and run from its venv (README, 'SGLang backend')"
 
 
 class SGLangVersionError(LaunchError):
@@ -37,7 +56,8 @@ def check_sglang_version(installed: str | None = None) -> str:
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    fix = f"pip install 'sglang{SUPPORTED}' (realscale speaks SGLang {PINNED}'s protocol)"
+    fix = (f"pip install 'sglang{SUPPORTED}' with your CUDA torch, or {CPU_INSTALL} "
+           f"(realscale speaks SGLang {PINNED}'s protocol)")
     if installed is None:
         try:
             installed = metadata.version("sglang")
@@ -52,11 +72,11 @@ def check_sglang_version(installed: str | None = None) -> str:
     return installed
 
 
-def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", *, tp: int = 1,
-                   context_length: int = 0, max_running_requests: int = 0, mem_fraction_static: float = 0.0,
-                   dtype: str = "auto", seed: int = 0, weight_version: str = "0", pause_mode: str = "abort",
+def sglang_command(model_path: str, port: int, gen: GenerateConfig, *, host: str | None = None, seed: int = 0,
+                   dtype: str = "auto", on_gpu: bool = True, weight_version: str = "0",
                    extra: list[str] | None = None) -> list[str]:
-    """The ``sglang.launch_server`` argv for one server.
+    """The ``sglang.launch_server`` argv of one server for the ``generate`` section ``gen``
+    (``dtype``: the trainer's ``model.dtype``, so the served log-probs are the trainer's).
 
     ``pause_mode`` other than abort turns SGLang's prefix (radix) cache off. A weight
     update under a retract / in_place pause finds requests still on the server, so
@@ -67,53 +87,53 @@ def sglang_command(model_path: str, port: int, host: str = "127.0.0.1", *, tp: i
     tokens and sampled other tokens (log-probs off by up to 0.91). Without a prefix
     cache there is nothing stale to reuse; after an abort pause nothing runs and the
     flush succeeds."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--tp-size", str(tp), "--dtype", dtype, "--random-seed", str(seed),
-           "--weight-version", str(weight_version), "--skip-server-warmup"]
-    if context_length:
-        cmd += ["--context-length", str(context_length)]
-    if max_running_requests:
-        cmd += ["--max-running-requests", str(max_running_requests)]
-    if mem_fraction_static:
-        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-    if pause_mode != "abort":
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host or gen.host,
+           "--port", str(port), "--tp-size", str(gen.tp), "--dtype", dtype, "--random-seed", str(seed),
+           "--weight-version", str(weight_version), "--skip-server-warmup",
+           "--context-length", str(gen.context_length), "--max-running-requests", str(gen.max_running_requests)]
+    if on_gpu:
+        cmd += ["--mem-fraction-static", str(gen.mem_fraction_static)]
+    else:
+        cmd += [*CPU_FLAGS, "--mem-fraction-static", str(CPU_MEM_FRACTION), "--max-total-tokens", str(cpu_kv_tokens(gen))]
+    if gen.pause_mode != "abort":
         cmd += ["--disable-radix-cache"]
     return cmd + list(extra or [])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 600.0) -> None:
-    """Poll ``url/health`` until 200; raise if the process exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"SGLang server for {url} exited with code {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"SGLang server {url} not healthy within {timeout:.0f} s")
+def cpu_kv_tokens(gen: GenerateConfig) -> int:
+    """SGLang-on-CPU's KV pool in tokens: every running request at full context."""
+    return gen.max_running_requests * gen.context_length
 
 
-def launch_sglang(cfg: GenerateConfig, model_path: str, gpu_ids: list[list[int]], log_dir: str) -> list[tuple[str, subprocess.Popen]]:
-    """Start ``len(gpu_ids)`` servers (server i on GPUs ``gpu_ids[i]``); return (url, process) pairs.
+def sglang_env(gen: GenerateConfig, *, on_gpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one SGLang server (module docstring): on CPU the CPU engine,
+    ``generate.cpu_threads`` threads per rank and, with several ranks, their cores."""
+    env = dict(os.environ if base is None else base)
+    if on_gpu:
+        return env
+    threads = gen.cpu_threads
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if gen.tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(gen.tp, threads, sorted(os.sched_getaffinity(0)))
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
 
-    ``cfg`` is the ``generate`` config section. Each server's stdout/stderr go to
-    ``log_dir/sglang_<i>.log``.
-    """
-    check_sglang_version()
-    os.makedirs(log_dir, exist_ok=True)
-    servers = []
-    for i, gpus in enumerate(gpu_ids):
-        port = cfg.base_port + i
-        cmd = sglang_command(model_path, port, cfg.host, tp=len(gpus), context_length=cfg.context_length,
-                             max_running_requests=cfg.max_running_requests,
-                             mem_fraction_static=cfg.mem_fraction_static, pause_mode=cfg.pause_mode)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-        log = open(os.path.join(log_dir, f"sglang_{i}.log"), "ab")  # noqa: SIM115 - lives with the process
-        servers.append((f"http://{cfg.host}:{port}", subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
-    for url, proc in servers:
-        wait_healthy(url, proc)
-    return servers
+
+def cpu_bind(ranks: int, threads: int, cpus: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks of ``threads`` threads each on
+    ``cpus`` (the CPUs this process may use), in turn, wrapping round when there are fewer;
+    each rank's CPUs as ranges, SGLang's form: ``cpu_bind(2, 1, [0, 1]) == "0|1"``,
+    ``cpu_bind(2, 4, list(range(8))) == "0-3|4-7"``."""
+    groups = [sorted({cpus[(r * threads + k) % len(cpus)] for k in range(threads)}) for r in range(ranks)]
+    return "|".join(",".join(_ranges(g)) for g in groups)
+
+
+def _ranges(ids: list[int]) -> list[str]:
+    """Sorted CPU ids as ranges: [0, 1, 2, 5] -> ["0-2", "5"]."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return [f"{a}-{b}" if b > a else str(a) for a, b in out]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from realscale.errors import LaunchError
+from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.parallel.device import cuda_usable, devices_of_server
 from realscale.parallel.net import free_port
@@ -72,40 +73,56 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     return servers
 
 
-def start_vllm_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0, dtype: str = "float32",
-                       timeout: float = 900.0) -> list[ServerProc]:
-    """``gen.num_servers`` vLLM servers (:mod:`realscale.inference.vllm_server`), each on a
-    free port with ``gen.tp`` workers, logging to ``log_dir/server<i>.log``; returns once
-    every one answers /health within ``timeout`` seconds, else a one-line
-    :class:`LaunchError` naming the failed server's log."""
+def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0,
+                         dtype: str = "float32", timeout: float = 900.0,
+                         first_gpu: int | None = None) -> list[ServerProc]:
+    """``gen.num_servers`` vLLM or SGLang servers (``gen.backend``), each on a free port
+    with ``gen.tp`` ranks, logging to ``log_dir/server<i>.log``; returns once every one
+    answers /health within ``timeout`` seconds, else a one-line :class:`LaunchError`
+    naming the failed server's log. ``first_gpu``: on a GPU machine, server i's ranks use
+    GPUs ``first_gpu + i*tp`` onwards; None: the CPU."""
 
+    what = {"vllm": "vLLM server", "sglang": "SGLang server"}[gen.backend]
     try:
-        require_vllm()
-        check_model(model_dir)
+        if gen.backend == "vllm":
+            require_vllm()
+            check_model(model_dir, first_gpu is not None)
+        else:
+            check_sglang_version()
     except (RuntimeError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
-    servers = [spawn_vllm_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype)
+    servers = [spawn_engine_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype,
+                                   gpus=None if first_gpu is None else devices_of_server(first_gpu + i * gen.tp, gen.tp))
                for i in range(gen.num_servers)]
     try:
         for s in servers:
-            wait_healthy(s, timeout, what="vLLM server")
+            wait_healthy(s, timeout, what=what)
     except BaseException:
         stop_servers(servers)
         raise
     return servers
 
 
-def spawn_vllm_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
-                      dtype: str = "float32") -> ServerProc:
-    """Start one vLLM server process (not waiting for it). Dies with this process — with
-    the calling *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives
-    the server."""
+def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
+                        dtype: str = "float32", gpus: str | None = None) -> ServerProc:
+    """Start one vLLM or SGLang server process (``gen.backend``; on the CPU, or on the
+    GPUs ``gpus`` names), not waiting for it. Dies with this process — with the calling
+    *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives the server."""
 
     port = free_port(gen.host)
+    on_gpu = gpus is not None
+    if gen.backend == "vllm":
+        cmd = vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu)
+        env = vllm_env(gen, on_gpu=on_gpu)
+    else:
+        cmd = sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu)
+        env = sglang_env(gen, on_gpu=on_gpu)
+    if on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(vllm_command(model_dir, port, gen, seed=seed, dtype=dtype), env=vllm_env(gen),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent)
     return ServerProc(f"http://{gen.host}:{port}", proc, log_path)
 
 
@@ -234,12 +251,13 @@ class LocalBackend:
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
         g = self.cfg.generate
-        if g.backend == "vllm":
-            self.servers = start_vllm_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
-                                              dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout)
-            return [s.url for s in self.servers]
         # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
-        first_gpu = self.cfg.parallel.world_size if cuda_usable() and g.backend == "embedded" else None
+        first_gpu = self.cfg.parallel.world_size if cuda_usable() else None
+        if g.backend != "embedded":
+            self.servers = start_engine_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
+                                                dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout,
+                                                first_gpu=first_gpu)
+            return [s.url for s in self.servers]
         self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                      seed=self.cfg.run.seed, context_length=g.context_length,
                                      max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
@@ -247,9 +265,9 @@ class LocalBackend:
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
         # each embedded server rank runs one torch thread (start_servers' default); each vLLM
-        # server rank generate.cpu_threads
+        # or SGLang server rank generate.cpu_threads
         g = self.cfg.generate
-        busy = len(self.servers) * g.tp * (g.cpu_threads if g.backend == "vllm" else 1)
+        busy = len(self.servers) * g.tp * (1 if g.backend == "embedded" else g.cpu_threads)
         self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
 
     def wait(self) -> int:

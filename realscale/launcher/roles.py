@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable, Mapping, MutableMapping
 
-from realscale.inference.sglang_launcher import check_sglang_version, sglang_command
+from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import rank_threads
@@ -145,19 +145,22 @@ def _publish(url_dir: str, index: int, url: str) -> None:
 
 
 def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
-    """GPU only, not run on the CPU CI: SGLang binds the port itself, so take one that is
-    free on this node now (a small race with other processes of the node)."""
+    """SGLang (GPU, or SGLang-on-CPU) the way vLLM is started: a port free on this node now
+    (SGLang binds it itself: a small race with other processes of the node), the URL
+    published, then exec (the supervisor waits for /health as for any server)."""
+    from realscale.config import GenerateConfig
 
     check_sglang_version()
+    g = GenerateConfig(**gen)
+    on_gpu = cuda_usable()
+    if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
+        g.cpu_threads = max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp)
     port = free_port("")
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
-    cmd = sglang_command(spec.model_dir, port, gen["host"], tp=len(gpus), context_length=int(gen["context_length"]),
-                         max_running_requests=int(gen["max_running_requests"]),
-                         mem_fraction_static=float(gen["mem_fraction_static"]), seed=seed,
-                         pause_mode=str(gen["pause_mode"]))
-    _publish(spec.url_dir, index, f"http://{advertised_host(gen['host'])}:{port}")
+    cmd = sglang_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu)
+    env = sglang_env(g, on_gpu=on_gpu)
+    _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
     sys.stdout.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached
 
 

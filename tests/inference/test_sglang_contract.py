@@ -113,11 +113,12 @@ def _server_options() -> set[str]:
 @needs_source
 def test_launcher_options_exist() -> None:
     """Every option of our launch command is a field of SGLang's server arguments."""
+    from realscale.config import GenerateConfig
     from realscale.inference.sglang_launcher import sglang_command
 
     options = _server_options()
-    ours = {a for a in sglang_command("/m", 1, tp=2, context_length=8, max_running_requests=2,
-                                      mem_fraction_static=0.5, pause_mode="in_place") if a.startswith("--")}
+    gen = GenerateConfig(backend="sglang", tp=2, pause_mode="in_place")
+    ours = {a for on_gpu in (True, False) for a in sglang_command("/m", 1, gen, on_gpu=on_gpu) if a.startswith("--")}
     assert ours <= options, sorted(ours - options)
 
 

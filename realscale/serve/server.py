@@ -320,12 +320,16 @@ class EmbeddedServer:
         return await self._engine_call(run)
 
     async def _cache_busy(self) -> bool:
-        """Whether a cache flush would be refused: running requests, or waiting ones that
-        already ran (retracted) or were queued while not paused. Requests sent during a pause
-        do not count: SGLang holds those before its scheduler."""
+        """Whether a cache flush would be refused, as the pinned SGLang decides it
+        (``Scheduler.flush_cache``: ``is_fully_idle(ignore_waiting=self._engine_paused)``,
+        scheduler.py:5518-5520 and 5337-5355 in 0.5.23): running requests always count;
+        waiting ones only while not paused. Paused, SGLang's scheduler ignores its waiting
+        queue (a retract pause moved the running requests there and freed their KV), and
+        requests sent during a pause wait before its scheduler (tokenizer manager); the
+        fidelity table (tests/inference/test_sglang_fidelity.py) checks both against it."""
         def busy() -> bool:
             e = self.engine
-            return bool(e.running) or any(not e.paused or r.num_retractions for r in e.waiting)
+            return bool(e.running) or (not e.paused and bool(e.waiting))
 
         return await self._engine_call(busy)
 

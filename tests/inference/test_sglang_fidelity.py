@@ -4,8 +4,9 @@ default tests; the outcomes must be equal.
 
 Each probe drives one server over HTTP only and reduces what it saw to an outcome (status
 codes, finish reasons, whether a call waited); the test runs it on both servers and
-compares. Where the two differed, the embedded server was changed (none differs now); a
-behaviour the client does not depend on is not probed. The table (probe, SGLang's outcome,
+compares. None differs now (the one difference the table showed at first was the probe's:
+a fixed wait found the embedded server's answer already finished); a behaviour the client
+does not depend on is not probed. The table (probe, SGLang's outcome,
 the embedded server's) is printed with ``-s``. The SGLang source that decides each
 behaviour is cited at the probe.
 
@@ -74,6 +75,22 @@ async def _call(session, method: str, url: str, body: Any = None) -> tuple[int, 
             return resp.status, await resp.text()
 
 
+async def _wait_running(session, url: str, n: int) -> None:
+    """Until the server runs ``n`` requests (both decode a 480-token answer in about half a
+    second here, so a fixed sleep may find it finished): SGLang's ``/v1/loads``, the
+    embedded server's ``/get_server_info`` (which has no /v1/loads)."""
+    for _ in range(3000):
+        status, reply = await _call(session, "GET", url + "/v1/loads")
+        if status == 200:
+            running = sum(int(load["num_running_reqs"]) for load in reply["loads"])
+        else:
+            running = int((await _call(session, "GET", url + "/get_server_info"))[1]["num_running_reqs"])
+        if running >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{url}: {n} requests never ran together")
+
+
 def _finish(reply: Any) -> str | None:
     return ((reply.get("meta_info") or {}).get("finish_reason") or {}).get("type") if isinstance(reply, dict) else None
 
@@ -93,7 +110,7 @@ async def probe_abort_request(session, url: str) -> dict[str, Any]:
     """``/abort_request`` by rid: the request answers 200 with its partial output and
     ``finish_reason.type == "abort"`` (tokenizer_manager ``_handle_abort_finish_reason``)."""
     task = asyncio.create_task(_call(session, "POST", url + "/generate", _body(LONG, rid="fidelity-abort")))
-    await asyncio.sleep(0.5)
+    await _wait_running(session, url, 1)
     abort_status, _ = await _call(session, "POST", url + "/abort_request", {"rid": "fidelity-abort"})
     status, reply = await task
     return {"abort_status": abort_status, "status": status, "finish": _finish(reply),
@@ -107,7 +124,7 @@ async def probe_pause_abort(session, url: str) -> dict[str, Any]:
     ``SGLANG_HEALTH_CHECK_TIMEOUT`` and answers 503 (http_server.py ``health_generate``);
     ``/model_info`` answers at once; after ``/continue_generation`` the waiting request runs."""
     running = [asyncio.create_task(_call(session, "POST", url + "/generate", _body(LONG))) for _ in range(2)]
-    await asyncio.sleep(0.5)
+    await _wait_running(session, url, 2)
     pause_status, _ = await _call(session, "POST", url + "/pause_generation", {"mode": "abort"})
     try:
         aborted = await asyncio.gather(*running)
@@ -138,13 +155,14 @@ async def probe_update_outside_session(session, url: str) -> dict[str, Any]:
     return {"status": status, "success": reply.get("success") if isinstance(reply, dict) else None}
 
 
-async def probe_in_place_flush(session, url: str, model: str) -> dict[str, Any]:
-    """Under an ``in_place`` pause the running request keeps its KV, so the cache flush an
-    update asks for by default is refused (400, weight_updater.py:120 and scheduler.py
-    ``flush_cache``), and ``flush_cache: false`` succeeds; the request then finishes."""
+async def probe_keep_pause_flush(session, url: str, model: str, mode: str) -> dict[str, Any]:
+    """Under a ``retract`` or ``in_place`` pause the request stays on the server (retracted
+    to the waiting queue, or running with its KV), so the cache flush an update asks for by
+    default is refused (400, weight_updater.py:120 and scheduler.py ``flush_cache``), and
+    ``flush_cache: false`` succeeds; the request then finishes, never interrupted."""
     task = asyncio.create_task(_call(session, "POST", url + "/generate", _body(LONG)))
-    await asyncio.sleep(0.5)
-    pause_status, _ = await _call(session, "POST", url + "/pause_generation", {"mode": "in_place"})
+    await _wait_running(session, url, 1)
+    pause_status, _ = await _call(session, "POST", url + "/pause_generation", {"mode": mode})
     try:
         flush, _ = await _call(session, "POST", url + "/update_weights_from_disk", {"model_path": model})
         no_flush, _ = await _call(session, "POST", url + "/update_weights_from_disk",
@@ -156,7 +174,7 @@ async def probe_in_place_flush(session, url: str, model: str) -> dict[str, Any]:
             "request": (status, _finish(reply), len(reply["output_ids"]))}
 
 
-PROBES = ["generate", "abort_request", "pause_abort", "update_outside_session", "in_place_flush"]
+PROBES = ["generate", "abort_request", "pause_abort", "update_outside_session", "retract_flush", "in_place_flush"]
 
 
 @pytest.mark.parametrize("probe", PROBES)
@@ -165,9 +183,9 @@ def test_embedded_server_behaves_as_sglang(servers, probe: str) -> None:
 
     async def run(url: str) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            if probe == "in_place_flush":
+            if probe.endswith("_flush"):
                 _, info = await _call(session, "GET", url + "/model_info")
-                return await probe_in_place_flush(session, url, info["model_path"])
+                return await probe_keep_pause_flush(session, url, info["model_path"], probe.removesuffix("_flush"))
             return await globals()[f"probe_{probe}"](session, url)
 
     seen = {name: asyncio.run(run(url)) for name, url in servers.items()}

@@ -109,6 +109,11 @@ def sglang_env(gen: GenerateConfig, *, on_gpu: bool, base: dict[str, str] | None
     """The environment of one SGLang server (module docstring): on CPU the CPU engine,
     ``generate.cpu_threads`` threads per rank and, with several ranks, their cores."""
     env = dict(os.environ if base is None else base)
+    # SGLang's uvicorn closes an idle keep-alive connection after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE,
+    # sglang/srt/environ.py:337, read by http_server.py:2956): the client's pooled control
+    # connections sit idle for a whole training step, and one closed just as a request goes
+    # out reads as a dead server (vLLM's is raised the same way, vllm_server.vllm_env)
+    env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", "3600")
     if on_gpu:
         return env
     threads = gen.cpu_threads

@@ -195,6 +195,15 @@ def srun_command(role: str, nodes: list[str], ntasks: int, log_pattern: str, arg
     return cmd + argv
 
 
+def server_cpus(cfg: Config) -> int:
+    """CPUs of one server task: a trainer task's (``launch.cpus_per_task``, one GPU's
+    share) per server rank, so a TP-8 SGLang server gets eight ranks' worth — its
+    scheduler processes, tokenizer and detokenizer — not Slurm's default of one CPU per
+    task (since Slurm 22.05 srun does not inherit the batch step's --cpus-per-task).
+    0 (Slurm's default) when ``launch.cpus_per_task`` is."""
+    return cfg.launch.cpus_per_task * cfg.generate.tp
+
+
 def _abs_if_dir(path: str) -> str:
     """Steps on other nodes may start elsewhere than the batch step's directory."""
     return os.path.abspath(path) if os.path.isdir(path) else path
@@ -341,7 +350,7 @@ class SlurmBackend:
         per_node = self.cfg.launch.gpus_per_node // p.gpus_per_server if p.gpus_per_server else 0
         cmd = srun_command("rs-servers", nodes, p.servers, os.path.join(self.logs, "server%t.log"),
                            _rank_argv(spec, "--server"), gpus_per_task=p.gpus_per_server, overlap=p.overlap,
-                           tasks_per_node=per_node)
+                           tasks_per_node=per_node, cpus_per_task=server_cpus(self.cfg))
         self.servers = start_step("servers", cmd, os.path.join(self.logs, "srun-servers.log"), self.env)
         return _wait_urls(url_dir, p.servers, self.servers, self.cfg.launch.health_timeout)
 

@@ -250,6 +250,28 @@ def _served_is(got, want) -> bool:
     return got.dim() == want.dim() and torch.equal(got, want[tuple(slice(0, n) for n in got.shape)])
 
 
+def test_idle_connections_outlive_sglangs_keep_alive(servers, models) -> None:
+    """The client's pooled connections sit idle for a whole training step between control
+    calls; SGLang's uvicorn would close them after 5 s (``SGLANG_TIMEOUT_KEEP_ALIVE``,
+    sglang/srt/environ.py:337). The launcher raises it; a call after 7 idle seconds goes
+    out on the same pool and succeeds."""
+    url, _, proc = servers[0]
+    with open(f"/proc/{proc.proc.pid}/environ", "rb") as fh:
+        env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+    assert env[b"SGLANG_TIMEOUT_KEEP_ALIVE"] == b"3600"
+
+    async def go():
+        async with _client([url]) as c:
+            first = await c.generate(PROMPTS[0], {"max_new_tokens": 4})
+            await asyncio.sleep(7.0)
+            await c.pause("abort")
+            await c.resume()
+            return first, await c.generate(PROMPTS[0], {"max_new_tokens": 4}), [s.url for s in c.servers if s.retired]
+
+    first, second, retired = asyncio.run(go())
+    assert len(first.output_ids) == len(second.output_ids) == 4 and retired == []
+
+
 def test_killed_server_run_continues(servers, models) -> None:
     """Server B is killed while requests are in flight: every request still completes (on
     A), and the next weight update retires B and reaches A. (Last of the module's server

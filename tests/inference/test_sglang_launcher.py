@@ -30,7 +30,8 @@ def test_command_line() -> None:
     assert pairs["--context-length"] == "4096" and pairs["--max-running-requests"] == "64"
     assert pairs["--mem-fraction-static"] == "0.7" and pairs["--weight-version"] == "3"
     assert pairs["--host"] == "127.0.0.1" and pairs["--dtype"] == "bfloat16" and "--skip-server-warmup" in cmd
-    assert "--device" not in pairs and sglang_env(gen, on_gpu=True, base={"A": "1"}) == {"A": "1"}
+    assert "--device" not in pairs
+    assert sglang_env(gen, on_gpu=True, base={"A": "1"}) == {"A": "1", "SGLANG_TIMEOUT_KEEP_ALIVE": "3600"}
 
 
 def test_cpu_command_line_and_environment() -> None:

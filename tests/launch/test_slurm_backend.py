@@ -57,6 +57,16 @@ def test_cpu_placement_and_srun_commands() -> None:
     assert "--overlap" not in gpu
 
 
+def test_server_tasks_get_a_cpu_share_per_rank() -> None:
+    """A server task of a GPU recipe gets launch.cpus_per_task per server rank (Slurm's
+    default would be one CPU for a whole TP-8 SGLang server); none set: Slurm's default."""
+    from realscale.launcher.slurm import server_cpus
+
+    cfg = load_config(str(REPO / "configs" / "r1_distill_qwen_7b_math.yaml"))
+    assert server_cpus(cfg) == cfg.launch.cpus_per_task * cfg.generate.tp == 12 * cfg.generate.tp
+    assert server_cpus(load_config(str(REPO / "configs" / "ppo_tiny_slurm.yaml"))) == 0
+
+
 def test_slurm_backend_outside_slurm_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from realscale.launcher.slurm import SlurmBackend
 

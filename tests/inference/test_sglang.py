@@ -24,13 +24,12 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-import engine_cases as cases
+import real_engines as cases
 from realscale.parallel.spawn import run_distributed
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiproc, pytest.mark.timeout(1500)]
@@ -62,17 +61,10 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """[(url, ranks, ServerProc)]: A with one rank, B with two (--tp-size 2)."""
-    from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
-
-    logs = tmp_path_factory.mktemp("sglang_logs")
-    started = [(spawn_engine_server(models[0], _gen_config(tp=tp), str(logs / f"server_tp{tp}.log"), seed=tp), tp)
-               for tp in (1, 2)]
-    try:
-        for s, _ in started:
-            wait_healthy(s, 900, what="SGLang server")
-        yield [(s.url, tp, s) for s, tp in started]
-    finally:
-        stop_servers([s for s, _ in started], grace=15)
+    gens = [_gen_config(tp=1), _gen_config(tp=2)]
+    with cases.engine_servers(models[0], gens, str(tmp_path_factory.mktemp("sglang_logs")), "SGLang server", 900,
+                              grace=15) as s:
+        yield s
 
 
 def _client(urls):
@@ -86,17 +78,6 @@ async def _load(urls, model_dir, version):
         await c.update_weights_from_disk(model_dir, weight_version=version)
 
 
-def _engine_lps(model_dir, prompts, outputs, temperature):
-    seqs = [p + o for p, o in zip(prompts, outputs)]
-    got = run_distributed(cases.engine_logprobs, 1, model_dir, seqs, temperature, timeout=600)[0]
-    return [lp[len(p):] for p, lp in zip(prompts, got)]
-
-
-def _max_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_generation_logprobs_equal_megatron(servers, models, temperature) -> None:
     """Sampled tokens with per-token log-probs (``return_logprob``: SGLang's
@@ -105,25 +86,13 @@ def test_generation_logprobs_equal_megatron(servers, models, temperature) -> Non
     the version the server was loaded as (``meta_info.weight_version``)."""
     urls = [u for u, _, _ in servers]
     asyncio.run(_load(urls, models[0], 0))
-    params = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True}
-
-    async def go():
-        out = []
-        for url in urls:
-            async with _client([url]) as c:
-                out += await asyncio.gather(*(c.generate(p, params) for p in PROMPTS))
-        return out
-
-    results = asyncio.run(go())
-    prompts = PROMPTS * len(urls)
-    trained = _engine_lps(models[0], prompts, [r.output_ids for r in results], temperature)
-    diffs = [_max_diff(r.output_logprobs, t) for r, t in zip(results, trained)]
-    print(f"SGLang vs Megatron behaviour log-probs, T={temperature}: max |diff| = {max(diffs):.2e}")
+    results, diff = cases.served_vs_megatron(_client, urls, models[0], PROMPTS, temperature)
+    print(f"SGLang vs Megatron behaviour log-probs, T={temperature}: max |diff| = {diff:.2e}")
     for r in results:
         assert len(r.output_ids) == len(r.output_logprobs) == 24
         assert set(r.output_versions) == {0}
         assert all(lp < 0 for lp in r.output_logprobs)
-    assert max(diffs) < TOL
+    assert diff < TOL
 
 
 async def _used_tokens(client, url):
@@ -168,16 +137,16 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
     asyncio.run(_load([url], base, 0))
     params = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
     results = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
-    trained_new = _engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
-    trained_old = _engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
+    trained_new = cases.engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
+    trained_old = cases.engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     new_parts = []
     for r, t_new, t_old in zip(results, trained_new, trained_old):
         v = r.output_versions
         assert 1 in v, v
         cut = v.index(1)
         assert 0 < cut < len(v) == 400 and v == [0] * cut + [1] * (len(v) - cut), v
-        assert _max_diff(r.output_logprobs[:cut], t_old[:cut]) < LONG_TOL  # old weights, old KV
-        new_parts.append(_max_diff(r.output_logprobs[cut:], t_new[cut:]))
+        assert cases.max_diff(r.output_logprobs[:cut], t_old[:cut]) < LONG_TOL  # old weights, old KV
+        new_parts.append(cases.max_diff(r.output_logprobs[cut:], t_new[cut:]))
         assert (r.num_interruptions >= 1) if pause_mode == "abort" else (r.num_interruptions == 0)
         if pause_mode != "in_place":
             assert new_parts[-1] < LONG_TOL
@@ -226,7 +195,7 @@ def test_weight_update_over_gloo_from_trainer_layouts(servers, models, tmp_path,
                           timeout=900)[0]
     for served, trained, versions in zip(out["served"], out["trained"], out["versions"]):
         assert set(versions) == {4}
-        assert _max_diff(served, trained) < TOL
+        assert cases.max_diff(served, trained) < TOL
     stats = out["stats"][-1]
     assert stats["perf/weight_sync_bytes"] == stats["perf/weight_sync_bytes_lower_bound"] * 3 / 2  # 3 ranks, 2 servers
     want = load_file(os.path.join(new, "model.safetensors"))
@@ -280,19 +249,7 @@ def test_killed_server_run_continues(servers, models) -> None:
     urls = [u for u, _, _ in servers]
     asyncio.run(_load(urls, base, 0))
     victim = servers[1][2]
-    params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
-
-    async def go():
-        async with _client(urls) as c:
-            tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS * 4]
-            await asyncio.sleep(1.0)
-            os.killpg(victim.proc.pid, signal.SIGKILL)
-            results = await asyncio.gather(*tasks)
-            await c.update_weights_from_disk(new, weight_version=1)
-            after = await c.generate(PROMPTS[0], params)
-            return results, after, [s.url for s in c.servers if s.retired]
-
-    results, after, retired = asyncio.run(go())
+    results, after, retired = cases.kill_one_mid_generation(_client, urls, victim.proc.pid, new, PROMPTS)
     victim.proc.wait(timeout=60)
     assert all(len(r.output_ids) == 64 for r in results)
     assert retired == [urls[1]]

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-import engine_cases as cases
+import real_engines as cases
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiproc, pytest.mark.timeout(900)]
 

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
-import signal
 from importlib.metadata import entry_points
 
 import pytest
 
-import engine_cases as cases
+import real_engines as cases
 from realscale.parallel.spawn import run_distributed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.timeout(1500)]
@@ -54,20 +52,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    """[(url, ranks, ServerProc)]: A with one worker, B with two (tensor parallel)."""
-    from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
-
-    logs = tmp_path_factory.mktemp("vllm_logs")
-    # both start at once (from this thread: a server dies with the thread that started it);
-    # A compiled (the default), B eager (--enforce-eager: half the start-up)
-    started = [(spawn_engine_server(models[0], _gen_config(tp=tp, vllm_enforce_eager=tp == 2),
-                                  str(logs / f"server_tp{tp}.log"), seed=tp), tp) for tp in (1, 2)]
-    try:
-        for s, _ in started:
-            wait_healthy(s, 1200, what="vLLM server")
-        yield [(s.url, tp, s) for s, tp in started]
-    finally:
-        stop_servers([s for s, _ in started])
+    """[(url, ranks, ServerProc)]: A with one worker (compiled, the default), B with two
+    (tensor parallel; --enforce-eager: half the start-up)."""
+    gens = [_gen_config(tp=1), _gen_config(tp=2, vllm_enforce_eager=True)]
+    with cases.engine_servers(models[0], gens, str(tmp_path_factory.mktemp("vllm_logs")), "vLLM server", 1200) as s:
+        yield s
 
 
 def _client(urls):
@@ -82,42 +71,19 @@ async def _load(urls, model_dir, version):
         await c.update_weights_from_disk(model_dir, weight_version=version)
 
 
-def _engine_lps(model_dir, prompts, outputs, temperature):
-    seqs = [p + o for p, o in zip(prompts, outputs)]
-    got = run_distributed(cases.engine_logprobs, 1, model_dir, seqs, temperature, timeout=600)[0]
-    return [lp[len(p):] for p, lp in zip(prompts, got)]
-
-
-def _max_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_generation_logprobs_equal_megatron(servers, models, temperature) -> None:
     """Sampled tokens with per-token log-probs; they equal the Megatron engine's on the
     same tokens, on a one-worker and a two-worker (tensor-parallel) server."""
     urls = [u for u, _, _ in servers]
     asyncio.run(_load(urls, models[0], 0))
-    params = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True}
-
-    async def go():
-        out = []
-        for url in urls:
-            async with _client([url]) as c:
-                out += await asyncio.gather(*(c.generate(p, params) for p in PROMPTS))
-        return out
-
-    results = asyncio.run(go())
-    prompts = PROMPTS * len(urls)
-    trained = _engine_lps(models[0], prompts, [r.output_ids for r in results], temperature)
-    diffs = [_max_diff(r.output_logprobs, t) for r, t in zip(results, trained)]
-    print(f"vLLM vs Megatron behaviour log-probs, T={temperature}: max |diff| = {max(diffs):.2e}")
+    results, diff = cases.served_vs_megatron(_client, urls, models[0], PROMPTS, temperature)
+    print(f"vLLM vs Megatron behaviour log-probs, T={temperature}: max |diff| = {diff:.2e}")
     for r in results:
         assert len(r.output_ids) == len(r.output_logprobs) == 24
         assert set(r.output_versions) == {0}
         assert all(lp < 0 for lp in r.output_logprobs)
-    assert max(diffs) < TOL
+    assert diff < TOL
 
 
 async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
@@ -160,14 +126,14 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
     # ~40 tokens in on a quiet machine) a margin for a loaded one (a CI run saw 160 end first)
     params = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
     results = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
-    trained_new = _engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
-    trained_old = _engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
+    trained_new = cases.engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
+    trained_old = cases.engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     for r, t_new, t_old in zip(results, trained_new, trained_old):
         v = r.output_versions
         cut = v.index(1)
         assert 0 < cut < len(v) == 400 and v == [0] * cut + [1] * (len(v) - cut), v
-        assert _max_diff(r.output_logprobs[:cut], t_old[:cut]) < TOL  # old weights, old KV
-        new_part = _max_diff(r.output_logprobs[cut:], t_new[cut:])
+        assert cases.max_diff(r.output_logprobs[:cut], t_old[:cut]) < TOL  # old weights, old KV
+        new_part = cases.max_diff(r.output_logprobs[cut:], t_new[cut:])
         assert (r.num_interruptions >= 1) if pause_mode == "abort" else (r.num_interruptions == 0)
         if pause_mode != "in_place":
             assert new_part < TOL
@@ -196,7 +162,7 @@ def test_weight_update_through_gloo_engine(servers, models, tmp_path) -> None:
     assert out["members"] == urls
     for served, trained, versions in zip(out["served"], out["trained"], out["versions"]):
         assert set(versions) == {4}
-        assert _max_diff(served, trained) < TOL
+        assert cases.max_diff(served, trained) < TOL
     stats = out["stats"][-1]
     weights = stats["perf/weight_sync_bytes_lower_bound"] / len(urls)  # one full copy
     assert stats["perf/weight_sync_bytes"] == weights * 3  # every worker of both servers got it whole
@@ -209,19 +175,7 @@ def test_killed_server_run_continues(servers, models) -> None:
     urls = [u for u, _, _ in servers]
     asyncio.run(_load(urls, base, 0))
     victim = servers[1][2]
-    params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
-
-    async def go():
-        async with _client(urls) as c:
-            tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS * 4]
-            await asyncio.sleep(1.0)
-            os.killpg(victim.proc.pid, signal.SIGKILL)
-            results = await asyncio.gather(*tasks)
-            await c.update_weights_from_disk(new, weight_version=1)
-            after = await c.generate(PROMPTS[0], params)
-            return results, after, [s.url for s in c.servers if s.retired]
-
-    results, after, retired = asyncio.run(go())
+    results, after, retired = cases.kill_one_mid_generation(_client, urls, victim.proc.pid, new, PROMPTS)
     victim.proc.wait(timeout=60)
     assert all(len(r.output_ids) == 64 for r in results)
     assert retired == [urls[1]]

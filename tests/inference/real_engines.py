@@ -4,7 +4,8 @@ import this module."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -17,6 +18,82 @@ def engine_logprobs(model_dir: str, seqs: list[list[int]], temperature: float) -
     eng = MegatronEngine(EngineConfig(model_path=model_dir, lr=None, temperature=temperature,
                                       max_tokens_per_micro_batch=4096))
     return _split(eng.logprobs(PackedBatch.from_sequences(seqs))["logprobs"], seqs)
+
+
+@contextlib.contextmanager
+def engine_servers(model_dir: str, gens: list[Any], log_dir: str, what: str, timeout: float,
+                   grace: float = 5.0) -> Iterator[list[tuple[str, int, Any]]]:
+    """One real server per ``generate`` section in ``gens`` (vLLM or SGLang, started by
+    the launcher's spawner, all at once, from this thread: a server dies with the thread
+    that started it), each healthy within ``timeout``; yields [(url, ranks, ServerProc)]
+    and stops them all."""
+    from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
+
+    started = [spawn_engine_server(model_dir, g, f"{log_dir}/server_tp{g.tp}_{i}.log", seed=i + 1)
+               for i, g in enumerate(gens)]
+    try:
+        for s in started:
+            wait_healthy(s, timeout, what=what)
+        yield [(s.url, g.tp, s) for s, g in zip(started, gens)]
+    finally:
+        stop_servers(started, grace=grace)
+
+
+def engine_lps(model_dir: str, prompts: list[list[int]], outputs: list[list[int]],
+               temperature: float) -> list[list[float]]:
+    """Megatron's log-probs of each output after its prompt (one spawned rank)."""
+    from realscale.parallel.spawn import run_distributed
+
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    got = run_distributed(engine_logprobs, 1, model_dir, seqs, temperature, timeout=600)[0]
+    return [lp[len(p):] for p, lp in zip(prompts, got)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def served_vs_megatron(client: Any, urls: list[str], model_dir: str, prompts: list[list[int]],
+                       temperature: float, tokens: int = 24) -> tuple[list[Any], float]:
+    """Each server in ``urls`` samples ``tokens`` tokens for every prompt (``client(urls)``
+    makes the engine's client); returns the answers and the largest difference between
+    their log-probs and Megatron's on the same tokens and weights."""
+    params = {"max_new_tokens": tokens, "temperature": temperature, "ignore_eos": True}
+
+    async def go() -> list[Any]:
+        out = []
+        for url in urls:
+            async with client([url]) as c:
+                out += await asyncio.gather(*(c.generate(p, params) for p in prompts))
+        return out
+
+    results = asyncio.run(go())
+    trained = engine_lps(model_dir, prompts * len(urls), [r.output_ids for r in results], temperature)
+    return results, max(max_diff(r.output_logprobs, t) for r, t in zip(results, trained))
+
+
+def kill_one_mid_generation(client: Any, urls: list[str], victim_pid: int, new_dir: str,
+                            prompts: list[list[int]]) -> tuple[list[Any], Any, list[str]]:
+    """Requests in flight on every server, the server process group ``victim_pid`` killed
+    a second in, then a weight update from ``new_dir`` (version 1) and one more request:
+    (the answers, the one after, the servers the client retired)."""
+    import os
+    import signal
+
+    params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+
+    async def go() -> tuple[list[Any], Any, list[str]]:
+        async with client(urls) as c:
+            tasks = [asyncio.create_task(c.generate(p, params)) for p in prompts * 4]
+            await asyncio.sleep(1.0)
+            os.killpg(victim_pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            await c.update_weights_from_disk(new_dir, weight_version=1)
+            after = await c.generate(prompts[0], params)
+            return results, after, [s.url for s in c.servers if s.retired]
+
+    return asyncio.run(go())
 
 
 def _split(lp: torch.Tensor, seqs: list[list[int]]) -> list[list[float]]:

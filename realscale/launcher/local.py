@@ -84,11 +84,7 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
 
     what = {"vllm": "vLLM server", "sglang": "SGLang server"}[gen.backend]
     try:
-        if gen.backend == "vllm":
-            require_vllm()
-            check_model(model_dir, first_gpu is not None)
-        else:
-            check_sglang_version()
+        check_engine(model_dir, gen, on_gpu=first_gpu is not None)
     except (RuntimeError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
@@ -111,19 +107,32 @@ def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, s
     *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives the server."""
 
     port = free_port(gen.host)
-    on_gpu = gpus is not None
-    if gen.backend == "vllm":
-        cmd = vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu)
-        env = vllm_env(gen, on_gpu=on_gpu)
-    else:
-        cmd = sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu)
-        env = sglang_env(gen, on_gpu=on_gpu)
-    if on_gpu:
+    cmd, env = engine_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=gpus is not None)
+    if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=die_with_parent)
     return ServerProc(f"http://{gen.host}:{port}", proc, log_path)
+
+
+def check_engine(model_dir: str, gen: GenerateConfig, *, on_gpu: bool) -> None:
+    """Refuse, before anything starts, an engine that is missing or outside its supported
+    versions, and (vLLM-CPU) a model it cannot serve: RuntimeError / ValueError, one line."""
+    if gen.backend == "vllm":
+        require_vllm()
+        check_model(model_dir, on_gpu)
+    else:
+        check_sglang_version()
+
+
+def engine_command(model_dir: str, port: int, gen: GenerateConfig, *, seed: int, dtype: str,
+                   on_gpu: bool) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of one vLLM or SGLang server (``gen.backend``): what the
+    local spawner runs and what the Slurm server step execs."""
+    if gen.backend == "vllm":
+        return vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu), vllm_env(gen, on_gpu=on_gpu)
+    return sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu), sglang_env(gen, on_gpu=on_gpu)
 
 
 def wait_healthy(server: ServerProc, timeout: float, what: str = "generation server") -> None:

@@ -18,10 +18,8 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable, Mapping, MutableMapping
 
-from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
-from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
-from realscale.launcher.local import rank_threads
+from realscale.launcher.local import check_engine, engine_command, rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
 from realscale.parallel.device import cuda_usable
 from realscale.parallel.net import advertised_host, free_port, interface_of, node_address
@@ -112,10 +110,8 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     seed = int(spec.config["run"]["seed"]) + index
     if job_nodes_count(os.environ) > 1:  # trainer ranks on other nodes reach this server
         node_network(os.environ, None)
-    if gen["backend"] == "sglang":
-        return _exec_sglang(spec, gen, index, seed)
-    if gen["backend"] == "vllm":
-        return _exec_vllm(spec, gen, index, seed)
+    if gen["backend"] != "embedded":
+        return _exec_engine(spec, gen, index, seed)
     import torch
 
     from realscale.serve.server import EmbeddedServer, serve
@@ -144,42 +140,20 @@ def _publish(url_dir: str, index: int, url: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _exec_sglang(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
-    """SGLang (GPU, or SGLang-on-CPU) the way vLLM is started: a port free on this node now
-    (SGLang binds it itself: a small race with other processes of the node), the URL
-    published, then exec (the supervisor waits for /health as for any server)."""
+def _exec_engine(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
+    """vLLM or SGLang (GPU or CPU): a port free on this node now (the engine binds it
+    itself: a small race with other processes of the node), the URL published, then exec
+    of the argv the local launcher runs too (the supervisor waits for /health as for any
+    server). On CPU each rank takes its share of the task's CPUs."""
     from realscale.config import GenerateConfig
 
-    check_sglang_version()
     g = GenerateConfig(**gen)
     on_gpu = cuda_usable()
+    check_engine(spec.model_dir, g, on_gpu=on_gpu)
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         g.cpu_threads = max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp)
     port = free_port("")
-    cmd = sglang_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu)
-    env = sglang_env(g, on_gpu=on_gpu)
-    _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
-    sys.stdout.flush()
-    os.execve(cmd[0], cmd, env)
-    return 0  # not reached
-
-
-def _exec_vllm(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> int:
-    """vLLM (CPU or GPU) the way SGLang is started: a port free on this node now, the URL
-    published, then exec (the supervisor waits for /health as for any server)."""
-    import torch
-
-    from realscale.config import GenerateConfig
-
-    require_vllm()
-    g = GenerateConfig(**gen)
-    on_gpu = torch.cuda.is_available()
-    check_model(spec.model_dir, on_gpu)
-    port = free_port("")
-    env = vllm_env(g, on_gpu=on_gpu)
-    if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
-        env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp))
-    cmd = vllm_command(spec.model_dir, port, g, seed=seed, on_gpu=on_gpu, dtype=spec.config["model"]["dtype"])
+    cmd, env = engine_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu)
     _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)

@@ -1,6 +1,6 @@
 """`sbatch launch/slurm/ppo_tiny.sh generate.backend=sglang` on the real one-node Slurm
 cluster (.ci/slurm_up.sh): the server job step execs the real SGLang server (SGLang-on-CPU,
-``launcher.roles._exec_sglang``), the trainer step's two tasks publish every step's weights
+``launcher.roles._exec_engine``), the trainer step's two tasks publish every step's weights
 into it over SGLang's weight group (gloo), and the job completes.
 
 In the ``sglang`` tier: run from the venv of scripts/sglang_cpu/install.sh (the job's

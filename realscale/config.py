@@ -426,6 +426,7 @@ class LaunchConfig:
     signal_seconds: int = knob(300, "Seconds before the time limit at which Slurm sends USR1: checkpoint, then requeue.")
     requeue: bool = knob(True, "On USR1 (time limit / pre-emption notice), requeue the job after the checkpoint.")
     check_shared_storage: bool = knob(True, "Refuse a multi-node run whose run directory some node cannot see.")
+    server_restarts: int = knob(3, "Times the launcher starts a generation server again after it dies (per server, within the run: a new process, or a new Slurm job step on the same node); it rejoins at the next weight update. 0: a dead server stays dead and the run goes on with the others.")
     health_timeout: float = knob(900.0, "Seconds the launcher waits for every generation server's /health (Slurm servers; local vLLM servers).")
     python: str = knob("python", "Interpreter the sbatch scripts run (a venv's python, or a container wrapper).")
     nccl: Dict[str, str] = knob({}, "NCCL environment for every rank and server, e.g. NCCL_IB_HCA, NCCL_NET_GDR_LEVEL, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX (keys must start with NCCL_).")
@@ -438,6 +439,7 @@ class LaunchConfig:
         _positive("launch", "gpus_per_node", self.gpus_per_node, allow_zero=True)
         _positive("launch", "signal_seconds", self.signal_seconds, allow_zero=True)
         _positive("launch", "health_timeout", self.health_timeout)
+        _positive("launch", "server_restarts", self.server_restarts, allow_zero=True)
         if not 0.0 < self.gen_fraction < 1.0:
             raise ConfigError(f"launch.gen_fraction: must be in (0, 1), got {self.gen_fraction!r}")
         bad = [k for k in self.nccl if not k.startswith("NCCL_")]

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
+from realscale.inference.roster import read_roster, roster_path
 from realscale.launcher.spec import stop_reason
 from realscale.metrics import MetricsLogger
 from realscale.parallel.device import collective_timeout_s, init_distributed
@@ -92,8 +93,10 @@ class Trainer:
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
+            # the launcher's roster names the servers it restarts (none in colocated mode)
+            roster = None if self.colocated is not None else roster_path(out_dir)
             control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls],
-                                    client_factory(cfg, server_urls))
+                                    client_factory(cfg, server_urls), roster=roster, ranks_per_server=cfg.generate.tp)
         if self.colocated is not None:
             self.colocated.control = control
         self.publisher: Publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
@@ -194,7 +197,8 @@ class Trainer:
         # the most requests in flight at once during the step, in all and on one server (their
         # caps: the staleness rule's capacity, and 2 x generate.max_running_requests per server)
         stats.update({"rollout/inflight": ctl["inflight"], "rollout/inflight_server_max": ctl["inflight_server_max"],
-                      "rollout/servers_alive": ctl["servers_in_rotation"]})
+                      "rollout/servers_alive": ctl["servers_in_rotation"], "rollout/lost_requests": ctl["failures"],
+                      "rollout/server_restarts": sum(e.restarts for e in read_roster(roster_path(self.out_dir)))})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
         stats.update(self.controller.reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
         stats.update(disk_usage(self.out_dir))

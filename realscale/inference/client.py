@@ -93,6 +93,9 @@ class _Server:
     # Missed a weight update (did not answer when it was sent): never back in rotation,
     # because it would serve old weights under a version number it does not have.
     retired: bool = False
+    # Started again after it died (roster.py): out of rotation until a weight update has
+    # reached it (it holds the base model's weights until then).
+    pending: bool = False
 
 
 class InferenceClient:
@@ -294,7 +297,7 @@ class InferenceClient:
             await asyncio.sleep(self.health_interval)
             if self.servers_paused:
                 continue  # SGLang's /health would wait behind the pause, then fail (module docstring)
-            for server in [s for s in self.servers if not s.healthy and not s.retired]:
+            for server in [s for s in self.servers if not s.healthy and not s.retired and not s.pending]:
                 if await self._probe(server):
                     log.info("server %s back in rotation", server.url)
                     server.healthy = True
@@ -337,7 +340,7 @@ class InferenceClient:
         targets = []
         for server, ok in zip(candidates, alive):
             if ok:
-                server.healthy = True
+                server.healthy = not server.pending  # a new one serves once the update reached it
                 targets.append(server)
             else:
                 log.warning("server %s does not answer %s; retired (it misses this weight update)", server.url,
@@ -420,6 +423,31 @@ class InferenceClient:
         self._paused_urls = set()
         self.timeouts.resume()
         self.servers_paused = False
+
+    def add_server(self, url: str, ranks: int = 1, pending: bool = True) -> bool:
+        """A server started after this client (a restart: :mod:`realscale.inference.roster`).
+        ``pending``: it joins the next weight update but serves no request before
+        :meth:`admit_pending`; else it is in rotation at once (it holds the current weights).
+        A retired server of the same URL is replaced; one still known is left as it is.
+        Returns whether the server was added."""
+        url = url.rstrip("/")
+        known = next((i for i, s in enumerate(self.servers) if s.url == url), None)
+        if known is not None and not self.servers[known].retired:
+            return False
+        server = _Server(url, healthy=not pending, ranks=ranks, pending=pending)
+        if known is None:
+            self.servers.append(server)
+        else:
+            self.servers[known] = server
+        return True
+
+    def admit_pending(self) -> list[str]:
+        """Put the pending servers a weight update has reached (they are its targets: not
+        retired) in rotation; their URLs."""
+        admitted = [s for s in self.servers if s.pending and not s.retired]
+        for s in admitted:
+            s.pending, s.healthy = False, True
+        return [s.url for s in admitted]
 
     async def update_weights_from_disk(self, path: str, weight_version: Any = None,
                                        flush_cache: bool = True) -> list[Any]:
@@ -587,5 +615,5 @@ class InferenceClient:
         behind the pause and fails (module docstring)."""
         oks = await asyncio.gather(*(self._probe(s) for s in self.servers))
         for s, ok in zip(self.servers, oks):
-            s.healthy = ok
+            s.healthy = ok and not s.pending
         return {s.url: s.healthy for s in self.servers}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from realscale.errors import LaunchError
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
+from realscale.launcher.restart import ServerKeeper
 from realscale.parallel.device import cuda_usable, devices_of_server
 from realscale.parallel.net import free_port
 from realscale.parallel.spawn import die_with_parent
@@ -47,23 +48,9 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
 
     os.makedirs(log_dir, exist_ok=True)
-    servers = []
-    for i in range(num):
-        port = free_port(host)
-        log_path = os.path.join(log_dir, f"server{i}.log")
-        cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
-               "--threads", str(threads), "--max-running", str(max_running), "--context-length",
-               str(context_length), "--seed", str(seed + i)]
-        if tp > 1:
-            cmd += ["--tp", str(tp)]
-        env = dict(os.environ)
-        if first_gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices_of_server(first_gpu + i * tp, tp)
-            cmd += ["--device", "cuda"]
-        log = open(log_path, "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent, env=env)
-        servers.append(ServerProc(f"http://{host}:{port}", proc, log_path))
+    servers = [spawn_embedded_server(model_dir, i, log_dir, host=host, threads=threads, max_running=max_running,
+                                     context_length=context_length, seed=seed, tp=tp, first_gpu=first_gpu)
+               for i in range(num)]
     try:
         for s in servers:
             wait_healthy(s, timeout)
@@ -71,6 +58,27 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
         stop_servers(servers)
         raise
     return servers
+
+
+def spawn_embedded_server(model_dir: str, i: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
+                          max_running: int = 32, context_length: int = 2048, seed: int = 0, tp: int = 1,
+                          first_gpu: int | None = None, avoid_port: int = 0) -> ServerProc:
+    """Embedded server ``i`` of :func:`start_servers`, not waiting for it (a restart
+    passes the dead one's port as ``avoid_port``: a new URL is a new server to the trainer)."""
+    port = free_port(host, avoid=avoid_port)
+    cmd = [sys.executable, "-m", "realscale", "serve", "--model", model_dir, "--host", host, "--port", str(port),
+           "--threads", str(threads), "--max-running", str(max_running), "--context-length",
+           str(context_length), "--seed", str(seed + i)]
+    if tp > 1:
+        cmd += ["--tp", str(tp)]
+    env = dict(os.environ)
+    if first_gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices_of_server(first_gpu + i * tp, tp)
+        cmd += ["--device", "cuda"]
+    log = open(os.path.join(log_dir, f"server{i}.log"), "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent, env=env)
+    return ServerProc(f"http://{host}:{port}", proc, log.name)
 
 
 def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0,
@@ -101,12 +109,13 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
 
 
 def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
-                        dtype: str = "float32", gpus: str | None = None) -> ServerProc:
+                        dtype: str = "float32", gpus: str | None = None, avoid_port: int = 0) -> ServerProc:
     """Start one vLLM or SGLang server process (``gen.backend``; on the CPU, or on the
     GPUs ``gpus`` names), not waiting for it. Dies with this process — with the calling
-    *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives the server."""
+    *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives the server.
+    ``avoid_port``: a restart's dead predecessor's (a new URL is a new server to the trainer)."""
 
-    port = free_port(gen.host)
+    port = free_port(gen.host, avoid=avoid_port)
     cmd, env = engine_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=gpus is not None)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -216,9 +225,12 @@ class RankGroup:
             proc.start()
             self.procs.append(proc)
 
-    def wait(self, poll: float = 0.5) -> int:
-        """Block until all ranks exit; if one fails, stop the others. Returns the worst exit code."""
+    def wait(self, poll: float = 0.5, tick: Callable[[], None] | None = None) -> int:
+        """Block until all ranks exit; if one fails, stop the others. Returns the worst exit
+        code. ``tick`` runs at every poll (the servers' keeper)."""
         while True:
+            if tick is not None:
+                tick()
             codes = [p.exitcode for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
@@ -247,6 +259,9 @@ class LocalBackend:
         self.cfg, self.out_dir = cfg, out_dir
         self.servers: list[ServerProc] = []
         self.ranks = RankGroup()
+        self.keeper: ServerKeeper | None = None
+        self.model_dir = ""
+        self._first_gpu: int | None = None
 
     def prepare(self) -> None:
         """A plan must fit this machine (:func:`realscale.planner.validate.check_capacity`):
@@ -261,16 +276,42 @@ class LocalBackend:
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
         g = self.cfg.generate
         # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
-        first_gpu = self.cfg.parallel.world_size if cuda_usable() else None
+        first_gpu = self._first_gpu = self.cfg.parallel.world_size if cuda_usable() else None
+        self.model_dir = model_dir
         if g.backend != "embedded":
             self.servers = start_engine_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
                                                 dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout,
                                                 first_gpu=first_gpu)
-            return [s.url for s in self.servers]
-        self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
-                                     seed=self.cfg.run.seed, context_length=g.context_length,
-                                     max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
-        return [s.url for s in self.servers]
+        else:
+            self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
+                                         seed=self.cfg.run.seed, context_length=g.context_length,
+                                         max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
+        urls = [s.url for s in self.servers]
+        self.keeper = ServerKeeper(self.out_dir, urls, self.cfg.launch.server_restarts, self)
+        return urls
+
+    # ServerHooks (realscale/launcher/restart.py)
+    def server_exit_code(self, i: int) -> int | None:
+        return self.servers[i].proc.poll()
+
+    def respawn_server(self, i: int) -> None:
+        g, logs, dead = self.cfg.generate, os.path.join(self.out_dir, "logs"), self.servers[i]
+        stop_servers([dead], grace=1.0)  # what is left of it (vLLM's engine core, SGLang's scheduler)
+        old_port = int(dead.url.rsplit(":", 1)[1])
+        if g.backend == "embedded":
+            self.servers[i] = spawn_embedded_server(self.model_dir, i, logs, host=g.host, seed=self.cfg.run.seed,
+                                                    context_length=g.context_length, max_running=g.max_running_requests,
+                                                    tp=g.tp, first_gpu=self._first_gpu, avoid_port=old_port)
+            return
+        gpus = None if self._first_gpu is None else devices_of_server(self._first_gpu + i * g.tp, g.tp)
+        self.servers[i] = spawn_engine_server(self.model_dir, g, os.path.join(logs, f"server{i}.log"),
+                                              seed=self.cfg.run.seed + i, dtype=self.cfg.model.dtype, gpus=gpus,
+                                              avoid_port=old_port)
+
+    def server_ready(self, i: int) -> str:
+        server = self.servers[i]
+        wait_healthy(server, self.cfg.launch.health_timeout)
+        return server.url
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
         # each embedded server rank runs one torch thread (start_servers' default); each vLLM
@@ -280,7 +321,7 @@ class LocalBackend:
         self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
 
     def wait(self) -> int:
-        return self.ranks.wait()
+        return self.ranks.wait(tick=self.keeper.check if self.keeper is not None else None)
 
     def stop(self) -> None:
         self.ranks.stop()

@@ -17,12 +17,16 @@ import socket
 import struct
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", avoid: int = 0) -> int:
     """A TCP port on ``host`` that was free a moment ago (the OS picks it); ``""`` asks for
-    one free on every interface of this node, where ranks on other nodes reach it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    one free on every interface of this node, where ranks on other nodes reach it. Never
+    ``avoid`` (a restarted server's predecessor's: clients tell servers apart by URL)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port != avoid:
+            return port
 
 
 def advertise_host() -> str:

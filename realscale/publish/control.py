@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
 from realscale.inference.client import InferenceClient
+from realscale.inference.roster import read_roster
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class RolloutSide(Protocol):
     def resume(self) -> None: ...
     def set_version(self, version: int) -> None: ...
     def retire(self, urls: list[str]) -> None: ...
+    def admit(self, urls: list[str]) -> None: ...
 
 
 class ServerControl:
@@ -41,12 +43,21 @@ class ServerControl:
     (in its own process): ``fn(client)`` coroutines here never cross a process boundary,
     so a transport may pass them live objects (a weight sender, a bucket iterator whose
     exports are collectives of the trainer ranks). Servers a weight update retires (they
-    did not answer) are handed to the controller before generation resumes."""
+    did not answer) are handed to the controller before generation resumes.
+
+    Restarted servers: before each pause, the launcher's roster (``roster``, the path of
+    :mod:`realscale.inference.roster`) is read; a URL not known yet is added to the client
+    as pending, so that the weight update goes to it too (the transports rebuild their
+    group or world when its members change), and once the update is done it is handed to
+    the controller (``admit``) to generate."""
 
     def __init__(self, rollouts: RolloutSide, servers: list[ServerEndpoint],
-                 client: Callable[[], "InferenceClient"]) -> None:
+                 client: Callable[[], "InferenceClient"], roster: str | None = None,
+                 ranks_per_server: int = 1) -> None:
         self.rollouts = rollouts
         self.servers = servers
+        self.roster = roster
+        self.ranks_per_server = ranks_per_server
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="server-control", daemon=True)
         self._thread.start()
@@ -65,8 +76,18 @@ class ServerControl:
         return self._on_loop(_await(fn, self.client))
 
     def pause(self, mode: str) -> None:
+        self._take_restarted()
         self.rollouts.pause()
         self.run(lambda c: c.pause(mode))
+
+    def _take_restarted(self) -> None:
+        """Servers the launcher started again since the last look: pending in the client,
+        and endpoints of the transports' groups."""
+        if self.roster is None:
+            return
+        for entry in read_roster(self.roster):
+            if self.run(_adder(entry.url, self.ranks_per_server)):
+                self.servers.append(ServerEndpoint(entry.url.rstrip("/"), self.ranks_per_server))
 
     def resume(self, version: int) -> None:
         retired = [s.url for s in self.client.servers if s.retired]
@@ -74,6 +95,9 @@ class ServerControl:
             self.rollouts.retire(retired)
         self.rollouts.set_version(version)
         self.run(lambda c: c.resume())
+        admitted = self.run(_admit_pending)  # the update reached them: they hold this version
+        if admitted:
+            self.rollouts.admit(admitted)
         self.rollouts.resume()
 
     def close(self) -> None:
@@ -92,6 +116,16 @@ async def _await(fn: Coro, client: "InferenceClient") -> Any:
     return await fn(client)
 
 
+def _adder(url: str, ranks: int) -> Coro:
+    async def add(client: "InferenceClient") -> bool:  # on the client's loop, like every other call
+        return client.add_server(url, ranks, pending=True)
+    return add
+
+
+async def _admit_pending(client: "InferenceClient") -> list[str]:
+    return client.admit_pending()
+
+
 class _NoRollouts:
     """The rollout side of a :class:`ClientControl`: there is none."""
 
@@ -99,6 +133,7 @@ class _NoRollouts:
     def resume(self) -> None: ...
     def set_version(self, version: int) -> None: ...
     def retire(self, urls: list[str]) -> None: ...
+    def admit(self, urls: list[str]) -> None: ...
 
 
 class ClientControl(ServerControl):

@@ -251,6 +251,12 @@ class RolloutController:
         self._require_started("retire_servers")
         asyncio.run_coroutine_threadsafe(self._retire(set(urls)), self._loop).result(timeout)
 
+    def admit_servers(self, urls: Sequence[str], timeout: float = 60.0) -> None:
+        """Generate on these servers too: restarted ones a weight update has just reached
+        (they hold the current version; rank 0's server control says which)."""
+        self._require_started("admit_servers")
+        asyncio.run_coroutine_threadsafe(self._admit(list(urls)), self._loop).result(timeout)
+
     @property
     def version(self) -> int:
         return self._version
@@ -343,6 +349,11 @@ class RolloutController:
         for server in self.client.servers:
             if server.url in urls:
                 server.retired, server.healthy = True, False
+
+    async def _admit(self, urls: list[str]) -> None:
+        for url in urls:
+            self.client.add_server(url, pending=False)
+        self._wake.set()  # room for more requests now
 
     async def _submit_loop(self) -> None:
         """Top up to capacity whenever something changes; runs until stop()."""

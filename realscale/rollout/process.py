@@ -12,7 +12,7 @@ rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
   small pickled header (token lists are never pickled);
 - ``pause()`` / ``resume()`` (no new prompts, and the request clocks of the controller's
   client held, while the servers are paused for a weight update), ``set_version(v)``,
-  ``retire(urls)``, ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
+  ``retire(urls)``, ``admit(urls)`` (restarted servers, once a weight update reached them), ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
   the child), ``state_dict()``; ``stop()`` ends the child.
 
 :class:`LocalRollouts` is the same interface around a controller on a thread of this
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "stats", "reward_pool_stats", "state_dict")
+OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "admit", "stats", "reward_pool_stats", "state_dict")
 POLL_S = 1.0  # how often a waiting rank 0 checks that the child is alive
 BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
 
@@ -144,6 +144,9 @@ class LocalRollouts:
     def retire(self, urls: list[str]) -> None:
         self.controller.retire_servers(urls)
 
+    def admit(self, urls: list[str]) -> None:
+        self.controller.admit_servers(urls)
+
     def stats(self) -> dict[str, Any]:
         return self.controller.stats()
 
@@ -219,6 +222,9 @@ class ControllerProcess:
 
     def retire(self, urls: list[str]) -> None:
         self._call("retire", list(urls))
+
+    def admit(self, urls: list[str]) -> None:
+        self._call("admit", list(urls))
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats")

@@ -24,3 +24,15 @@ def assert_each_prompt_trained_once(run: Path, total: int) -> None:
         by_step[rec["step"]] = rec["uids"]
     uids = [u for s in sorted(by_step) for u in by_step[s]]
     assert sorted(by_step) == list(range(1, total + 1)) and len(uids) == len(set(uids)), sorted(by_step)
+
+
+def hf_hashes(model_dir: Path) -> dict[str, str]:
+    """What an embedded server (tp=1, float32) that loaded ``model_dir`` reports on
+    ``/realscale/weight_hashes`` (its rank 0)."""
+    import torch
+
+    from realscale.serve.weights import RankWeights, read_hf_config
+
+    w = RankWeights.allocate(read_hf_config(str(model_dir)), 1, 0, torch.float32, torch.device("cpu"))
+    w.load_dir(str(model_dir))
+    return w.hashes()

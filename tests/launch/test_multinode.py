@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from run_records import assert_each_prompt_trained_once, trained_steps
+from run_records import assert_each_prompt_trained_once, hf_hashes, trained_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(420)]  # each test; the module: ~8 min
 
@@ -184,17 +184,6 @@ class HashWatch:
         return self.seen
 
 
-def _hf_hashes(model_dir: Path) -> dict[str, str]:
-    """What an embedded server (tp=1, float32) that loaded ``model_dir`` reports."""
-    import torch
-
-    from realscale.serve.weights import RankWeights, read_hf_config
-
-    w = RankWeights.allocate(read_hf_config(str(model_dir)), 1, 0, torch.float32, torch.device("cpu"))
-    w.load_dir(str(model_dir))
-    return w.hashes()
-
-
 # ----------------------------------------------------------------------------- (a)
 
 
@@ -238,7 +227,7 @@ def test_data_parallel_ranks_across_nodes(script: str, tmp_path: Path) -> None:
         assert abs(m["train/behav_kl"]) < 1e-4, m
     # the server's weights at the last version are the trainer's final weights
     assert str(steps) in seen, f"the server was not seen at version {steps} (seen: {sorted(seen)})"
-    want = _hf_hashes(run / "final")
+    want = hf_hashes(run / "final")
     assert seen[str(steps)] == want, sorted(n for n in want if seen[str(steps)].get(n) != want[n])
 
 

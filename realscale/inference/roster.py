@@ -1,0 +1,43 @@
+"""The run's generation servers as the launcher keeps them: ``<run>/launch/servers/roster.json``.
+
+The supervisor is its one writer (an atomic replace each time): every server it started
+with its index, its URL and how often it was restarted. Trainer rank 0 reads it before
+each weight update: a URL it does not know is a restarted server, which joins that
+update (the weight group or world is rebuilt with it) and then the rotation
+(:meth:`realscale.inference.client.InferenceClient.add_server`). A server is never put
+in rotation before it holds the run's current weights: it starts from the base model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    index: int  # the server's place in the run (its log is logs/server<index>.log)
+    url: str
+    restarts: int = 0  # how often the launcher started it again after it died
+
+
+def roster_path(out_dir: str) -> str:
+    return os.path.join(out_dir, "launch", "servers", "roster.json")
+
+
+def write_roster(out_dir: str, entries: list[RosterEntry]) -> None:
+    path = roster_path(out_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump({"servers": [asdict(e) for e in entries]}, fh)
+    os.replace(path + ".tmp", path)
+
+
+def read_roster(path: str) -> list[RosterEntry]:
+    """The entries at ``path`` (:func:`roster_path`); none when there is no roster yet."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return [RosterEntry(**e) for e in json.load(fh)["servers"]]
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,102 @@
+"""A generation server that dies is started again and rejoins the run (issue 30, item 3).
+
+`realscale train` with two embedded servers; one is SIGKILLed after step 2. Its requests
+go to the other; the launcher starts it again (a new process, a new port) and lists it in
+the run's roster; trainer rank 0 adds it to the next weight update (the weight world is
+rebuilt with it) and then to the rotation. The run finishes every step, loses no request,
+and the restarted server ends holding exactly the trainer's last weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from run_records import hf_hashes, trained_steps
+
+from test_train_resume import ARGS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(900)]  # a realscale train run
+
+
+def _servers_of(pid: int) -> list[int]:
+    """PIDs of the `realscale serve` processes started by the supervisor ``pid``."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if " serve " in line]
+
+
+class RestartWatch:
+    """Follows the roster; once a restarted server is listed, records its weight hashes
+    per version (it is stopped with the run, so they are read while it lives)."""
+
+    def __init__(self, run: Path) -> None:
+        self.roster = run / "launch" / "servers" / "roster.json"
+        self.seen: dict[str, dict[str, str]] = {}
+        self.url: str | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.url is None:
+                    entries = json.loads(self.roster.read_text())["servers"]
+                    self.url = next((e["url"] for e in entries if e["restarts"] > 0), None)
+                if self.url is not None:
+                    with urllib.request.urlopen(self.url + "/realscale/weight_hashes", timeout=10) as resp:
+                        got = json.loads(resp.read())
+                    self.seen[got["weight_version"]] = got["ranks"][0]
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+
+    def close(self) -> dict[str, dict[str, str]]:
+        self.stop.set()
+        self.thread.join(timeout=15)
+        return self.seen
+
+
+def test_killed_server_restarts_and_rejoins(tmp_path: Path) -> None:
+    total = 8
+    run = tmp_path / "r"
+    args = [a for a in ARGS if not a.startswith("run.total_steps")] + [f"run.total_steps={total}",
+                                                                        "generate.num_servers=2"]
+    cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    watch = RestartWatch(run)
+    try:
+        deadline = time.monotonic() + 400
+        while len(trained_steps(run)) < 2:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no second step in time"
+            time.sleep(0.3)
+        servers = _servers_of(proc.pid)
+        assert len(servers) == 2, servers
+        os.kill(servers[1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        seen = watch.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "generation server 1" in text and "starting it again (1 of launch.server_restarts=3)" in text, text[-3000:]
+    assert trained_steps(run) == list(range(1, total + 1))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "train/loss" in m]
+    assert all(m["rollout/lost_requests"] == 0 for m in logged)  # every request finished somewhere
+    assert logged[-1]["rollout/server_restarts"] == 1 and logged[-1]["rollout/servers_alive"] == 2, logged[-1]
+    assert all(m.get("staleness/max", 0) <= 1 for m in metrics)
+    # the restarted server took part in the last weight update: it holds the trainer's weights, bit for bit
+    assert str(total) in seen, sorted(seen)
+    want = hf_hashes(run / "final")
+    assert seen[str(total)] == want, sorted(n for n in want if seen[str(total)].get(n) != want[n])

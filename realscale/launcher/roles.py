@@ -3,8 +3,9 @@
 - :func:`trainer_rank`: one trainer rank, under ``srun``, ``torchrun`` or ``mpirun``
   (or alone): derive the torch.distributed environment, then ``rank_main`` of the run
   spec.
-- :func:`generation_server`: one generation server (task i of the server step): bind a
-  free port on this node, write ``<url_dir>/<i>.url``, serve (embedded server, or exec
+- :func:`generation_server`: one generation server (the step ``rs-server<i>``, or task i
+  of a step): bind a free port on this node (never its dead predecessor's, when it is a
+  restart), write ``<url_dir>/<i>.url``, serve (embedded server, or exec
   SGLang on GPUs, or exec vLLM: vLLM-CPU or vLLM on GPUs).
 - ``python -m realscale.launcher.roles shared-check FILE NONCE``: the shared-storage
   probe (no torch import: it runs on every node).
@@ -123,13 +124,32 @@ def generation_server(spec_path: str, index: int | None = None) -> int:
     server = EmbeddedServer(spec.model_dir, device=device, max_running=int(gen["max_running_requests"]),
                             context_length=int(gen["context_length"]), seed=seed, tp=tp, threads=threads)
     # bind port 0: the kernel picks a port free on this node, no race with other jobs
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((gen["host"], 0))
+    sock = _bind_new_port(gen["host"], _previous_port(spec.url_dir, index))
     url = f"http://{advertised_host(gen['host'])}:{sock.getsockname()[1]}"
     _publish(spec.url_dir, index, url)
     print(f"realscale server {index}: {spec.model_dir} on {url} ({tp} rank(s)) on {whereabouts()}", flush=True)
     return serve(server, sock=sock)
+
+
+def _bind_new_port(host: str, avoid: int) -> socket.socket:
+    """A socket bound to a port the kernel picks, never ``avoid``."""
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        if sock.getsockname()[1] != avoid:
+            return sock
+        sock.close()
+
+
+def _previous_port(url_dir: str, index: int) -> int:
+    """The port of server ``index``'s predecessor (a restart: its URL file is still there),
+    else 0: clients tell servers apart by URL, so a restarted server takes a new one."""
+    try:
+        with open(os.path.join(url_dir, f"{index}.url"), encoding="utf-8") as fh:
+            return int(fh.read().strip().rsplit(":", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _publish(url_dir: str, index: int, url: str) -> None:
@@ -152,7 +172,7 @@ def _exec_engine(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     check_engine(spec.model_dir, g, on_gpu=on_gpu)
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         g.cpu_threads = max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp)
-    port = free_port("")
+    port = free_port("", avoid=_previous_port(spec.url_dir, index))
     cmd, env = engine_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu)
     _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
     sys.stdout.flush()

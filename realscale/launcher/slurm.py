@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from realscale.errors import LaunchError
 from realscale.launcher.dist_env import slurm_hostnames
+from realscale.launcher.restart import ServerKeeper
 from realscale.launcher.spec import RunSpec, launch_dir, spec_path
 from realscale.planner.plan import Plan
 
@@ -222,10 +223,15 @@ class Step:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def end(self, grace: float) -> None:
-        """SIGTERM srun (it forwards the signal to every task), then SIGKILL it."""
+    def terminate(self) -> None:
+        """SIGTERM srun (it forwards the signal to every task)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def end(self, grace: float) -> None:
+        """SIGTERM srun, then SIGKILL it after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -271,31 +277,35 @@ def check_shared_storage(out_dir: str, nodes: list[str], env: Mapping[str, str],
 # ----------------------------------------------------------------------------- backend
 
 
-def _wait_urls(url_dir: str, n: int, step: Step, timeout: float) -> list[str]:
-    """The n servers' URLs, each answering /health, in server order."""
+def _wait_url(url_dir: str, i: int, step: Step, timeout: float) -> str:
+    """Server ``i``'s URL once it answers /health; LaunchError when its step exits first
+    or the time runs out."""
     deadline = time.monotonic() + timeout
-    urls: dict[int, str] = {}
-    while len(urls) < n:
+    path = os.path.join(url_dir, f"{i}.url")
+    while True:
         if step.poll() is not None:
-            raise LaunchError(f"the generation-server step exited with code {step.poll()} before all "
-                              f"{n} servers were up; see {step.log} and the server logs next to it")
+            raise LaunchError(f"generation server {i}'s step exited with code {step.poll()} before it was up; "
+                              f"see {step.log} and logs/server{i}.log next to it")
         if time.monotonic() > deadline:
-            raise LaunchError(f"generation servers not healthy after {timeout:.0f} s ({len(urls)} of {n}); "
-                              f"see {step.log}")
-        for i in range(n):
-            path = os.path.join(url_dir, f"{i}.url")
-            if i in urls or not os.path.exists(path):
-                continue
+            raise LaunchError(f"generation server {i} not healthy after {timeout:.0f} s; see {step.log}")
+        if os.path.exists(path):
             with open(path, encoding="utf-8") as fh:
                 url = fh.read().strip()
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                     if resp.status == 200:
-                        urls[i] = url
+                        return url
             except OSError:
                 pass
         time.sleep(0.25)
-    return [urls[i] for i in range(n)]
+
+
+def server_node(i: int, nodes: list[str], servers: int, per_node: int) -> str:
+    """The node of server ``i``: ``per_node`` servers a node in order (GPU jobs), else the
+    servers spread evenly over ``nodes`` (one a node when there are no more than nodes)."""
+    if per_node:
+        return nodes[min(i // per_node, len(nodes) - 1)]
+    return nodes[i * len(nodes) // servers]
 
 
 class SlurmBackend:
@@ -318,8 +328,11 @@ class SlurmBackend:
                               f"{len(self.nodes)}-node job needs generate.host=0.0.0.0")
         self.logs = os.path.join(self.out_dir, "logs")
         self.key = f"{self.env.get('SLURM_JOB_ID', 'job')}.{self.env.get('SLURM_RESTART_COUNT', '0')}"
-        self.servers: Step | None = None
+        self.servers: list[Step] = []  # one job step a server: one that dies alone is started again
         self.ranks: Step | None = None
+        self.keeper: ServerKeeper | None = None
+        self._server_cmd: list[str] = []
+        self._url_dir = ""
 
     def prepare(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
@@ -341,18 +354,47 @@ class SlurmBackend:
             os.symlink(os.path.abspath(stdout[0]), link)
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
-        url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)
+        url_dir = self._url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)
         shutil.rmtree(url_dir, ignore_errors=True)
         os.makedirs(url_dir)
-        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, [], url_dir).save(spec_path(self.out_dir))
+        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, [], url_dir).save(
+            spec_path(self.out_dir, "servers"))
+        self._server_cmd = _rank_argv(spec, "--server")
+        self.servers = [self._server_step(i) for i in range(self.place.servers)]
+        urls = [_wait_url(url_dir, i, step, self.cfg.launch.health_timeout) for i, step in enumerate(self.servers)]
+        self.keeper = ServerKeeper(self.out_dir, urls, self.cfg.launch.server_restarts, self)
+        return urls
+
+    def _server_step(self, i: int) -> Step:
+        """Server ``i`` as a job step of its own (``rs-server<i>``) on its node."""
         p = self.place
-        nodes = p.server_nodes[:p.servers]  # fewer servers than nodes: one per node
         per_node = self.cfg.launch.gpus_per_node // p.gpus_per_server if p.gpus_per_server else 0
-        cmd = srun_command("rs-servers", nodes, p.servers, os.path.join(self.logs, "server%t.log"),
-                           _rank_argv(spec, "--server"), gpus_per_task=p.gpus_per_server, overlap=p.overlap,
-                           tasks_per_node=per_node, cpus_per_task=server_cpus(self.cfg))
-        self.servers = start_step("servers", cmd, os.path.join(self.logs, "srun-servers.log"), self.env)
-        return _wait_urls(url_dir, p.servers, self.servers, self.cfg.launch.health_timeout)
+        node = server_node(i, p.server_nodes[:p.servers], p.servers, per_node)
+        cmd = srun_command(f"rs-server{i}", [node], 1, os.path.join(self.logs, f"server{i}.log"),
+                           [*self._server_cmd, "--index", str(i)], gpus_per_task=p.gpus_per_server,
+                           overlap=p.overlap, cpus_per_task=server_cpus(self.cfg))
+        return start_step(f"server{i}", cmd, os.path.join(self.logs, f"srun-server{i}.log"), self.env)
+
+    # ServerHooks (realscale/launcher/restart.py)
+    def server_exit_code(self, i: int) -> int | None:
+        return self.servers[i].poll()
+
+    def respawn_server(self, i: int) -> None:
+        """A new step on the same node; the server picks a port other than its
+        predecessor's (roles.generation_server), whose URL file it replaces."""
+        self.servers[i].end(grace=5.0)
+        self.servers[i] = self._server_step(i)
+
+    def server_ready(self, i: int) -> str:
+        old = os.path.join(self._url_dir, f"{i}.url")
+        with open(old, encoding="utf-8") as fh:
+            dead = fh.read().strip()
+        deadline = time.monotonic() + self.cfg.launch.health_timeout
+        while True:  # the new server writes its own URL over the dead one's
+            url = _wait_url(self._url_dir, i, self.servers[i], max(1.0, deadline - time.monotonic()))
+            if url != dead:
+                return url
+            time.sleep(0.25)
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
         """``fn`` is ``rank_main``, which ``realscale rank`` calls in each task; ``args`` are
@@ -367,22 +409,24 @@ class SlurmBackend:
         self.ranks = start_step("trainer", cmd, os.path.join(self.logs, "srun-trainer.log"), self.env)
 
     def wait(self, poll: float = 0.5) -> int:
-        """Until the trainer step ends: its exit code; a server step that dies first fails the run."""
+        """Until the trainer step ends: its exit code. A server step that dies is started
+        again (:class:`~realscale.launcher.restart.ServerKeeper`); the run goes on."""
         assert self.ranks is not None
         while True:
             code = self.ranks.poll()
             if code is not None:
                 return code
-            if self.servers is not None and self.servers.poll() is not None:
-                print(f"realscale: the generation-server step exited (code {self.servers.poll()}); "
-                      f"stopping the trainer step. Logs: {self.logs}", flush=True)
-                return self.servers.poll() or 1
+            if self.keeper is not None:
+                self.keeper.check()
             time.sleep(poll)
 
     def stop(self, grace: float = 15.0) -> None:
-        for step in (self.ranks, self.servers):
-            if step is not None:
-                step.end(grace)
+        steps = [s for s in [self.ranks, *self.servers] if s is not None]
+        for step in steps:  # every step told at once: a cluster's servers are not ended one by one
+            step.terminate()
+        deadline = time.monotonic() + grace
+        for step in steps:
+            step.end(max(0.1, deadline - time.monotonic()))
 
     def requeue(self) -> None:
         """Put this job back in the queue; it starts again from the batch script and the

@@ -4,7 +4,9 @@ Every role of a run finds what it needs under ``<run dir>/launch/`` (on storage 
 node shares, see :mod:`realscale.launcher.slurm`):
 
 ``spec.json``           the run's spec: resolved config, model dir, server URLs, out dir
+``servers-spec.json``   the same for the generation-server steps (with where their URLs go)
 ``servers/<key>/<i>.url``  generation server i's URL, written by the server itself once bound
+``servers/roster.json`` the servers of the run now, restarts included (realscale/inference/roster.py)
 ``rdzv/<key>``          rank 0's ``host:port`` for torch.distributed (see dist_env.rendezvous)
 ``stop``                a stop request (preemption / time limit): the ranks checkpoint at
                         the next step boundary and exit; its text says why
@@ -54,8 +56,10 @@ def launch_dir(out_dir: str) -> str:
     return os.path.join(out_dir, "launch")
 
 
-def spec_path(out_dir: str) -> str:
-    return os.path.join(launch_dir(out_dir), "spec.json")
+def spec_path(out_dir: str, role: str = "") -> str:
+    """The run spec of the trainer ranks, or of ``role`` ("servers": the server steps, which
+    keep reading theirs while the run lasts: a restarted one starts from it)."""
+    return os.path.join(launch_dir(out_dir), f"{role}-spec.json" if role else "spec.json")
 
 
 def stop_path(out_dir: str) -> str:

@@ -492,13 +492,18 @@ class InferenceClient:
         """Join every rank of every server to ``sender``'s group while the sender hosts rank 0:
         server i's tensor-parallel rank r joins at ``rank_offset_i + r``, with rank_offset_0 = 1
         and each next server after the last rank of the previous one. ``ranks`` = {url: number
-        of ranks}; a server not in it is asked (``/get_server_info``)."""
-        targets = [s for s in self.servers if s.healthy and not s.retired]
+        of ranks}; a server not in it is asked (``/get_server_info``). A server that is gone
+        already is retired first, and the group is hosted for the others."""
+        given = {u.rstrip("/"): int(n) for u, n in (ranks or {}).items()}
+        known = [s for s in self.servers if not s.retired]
+        if all(s.url in given for s in known) and sender.world_size != 1 + sum(given[s.url] for s in known):
+            raise ValueError(f"sender.world_size={sender.world_size}, but the servers have "
+                             f"{sum(given[s.url] for s in known)} ranks + 1 trainer rank")
+        targets = await self._update_targets()
         await self._server_ranks(targets, ranks)
         world = 1 + sum(s.ranks for s in targets)
-        if sender.world_size != world:
-            raise ValueError(f"sender.world_size={sender.world_size}, but the servers have "
-                             f"{world - 1} ranks + 1 trainer rank")
+        if sender.world_size != world:  # it counted servers that are gone
+            sender.reopen(world_size=world)
         await self._join_group(sender, targets)
 
     @staticmethod

@@ -51,7 +51,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from realscale.inference.weight_sync import new_group
+from realscale.inference.weight_sync import destroy_group, new_group
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -177,7 +177,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.model.load_weights(unpack_tensor(buf, list(names), list(shapes), list(dtypes), sizes[lo:hi]))
 
     def shutdown(self) -> None:
-        self.group = None
+        _release(self)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -266,4 +266,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             raise ValueError(f"WeightSource yielded {i} tensors but its metadata() declared {len(meta)}")
 
     def shutdown(self) -> None:
-        self.group = None
+        _release(self)
+
+
+def _release(engine: Any) -> None:
+    """Destroy an engine's group, as vLLM's NCCL engines do on shutdown
+    (vllm/distributed/weight_transfer/nccl_engine.py:230-233 and 458-461 in 0.32): torch
+    keeps one registry of group names per process, and the group rebuilt under the same
+    name after a server died (the transport's regroup) would be refused."""
+    if engine.group is not None:
+        destroy_group(engine.group)
+    engine.group = None

@@ -28,12 +28,16 @@ class VllmSyncClient:
     joins at ``rank_offset + its rank`` as the multi-rank interface says.
     """
 
-    def __init__(self, control: "ServerControl", ranks: dict[str, int], timeout: float = 600.0) -> None:
+    def __init__(self, control: "ServerControl", timeout: float = 600.0) -> None:
         self.control = control
-        self.ranks = ranks  # url -> ranks (tp x pp) of that server
         self.members: list[str] = []  # servers of the current weight group, in rank order
         self.version: Any = None  # set by the transport before each round
         self.timeout = timeout
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """url -> ranks (tp x pp) of that server, restarted ones included (read each time)."""
+        return {s.url: s.ranks for s in self.control.servers}
 
     def world_size(self, urls: list[str]) -> int:
         return 1 + sum(self.ranks[u] for u in urls)
@@ -95,7 +99,7 @@ class VllmEngineTransport(WeightTransport):
         register()
         self.source = MegatronWeightSource(engine, self.bucket_bytes)
         if control is not None:
-            self.client = VllmSyncClient(control, {s.url: s.ranks for s in control.servers})
+            self.client = VllmSyncClient(control)
             self._open(control.run(lambda c: c.update_targets()))
         else:
             self.trainer_engine = self._trainer_init(rank=_rank(), world_size=0, port=0)

@@ -182,3 +182,44 @@ def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
     return {"served": [r.output_logprobs for r in results], "versions": [r.output_versions for r in results],
             "trained": [t[len(prompt):] for t in trained], "stats": [s.metrics() for s in stats],
             "members": getattr(getattr(transport, "client", None), "members", None)}
+
+
+def rejoin_restarted(cfg_dict: dict[str, Any], base_dir: str, new_dir: str, servers: list[tuple[str, int]],
+                     restarted: tuple[str, int], out_dir: str, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """One trainer rank, as the driver of a run whose server ``servers[-1]`` is dead and
+    ``restarted`` (a new server on the base model) is what the launcher started in its
+    place: a first publish (version 1) retires the dead one; then the launcher's roster
+    names the new server and a second publish (version 2) takes it into the weight group
+    and the rotation. Returns the servers in the controller's rotation, each live server's
+    answer (log-probs, versions) and the trainer's log-probs of the same tokens."""
+    from realscale.config import config_from_dict
+    from realscale.inference.roster import RosterEntry, roster_path, write_roster
+    from realscale.publish.control import ServerControl, ServerEndpoint
+    from realscale.publish.publisher import WeightPublisher, transport_for
+    from realscale.rollout.controller import client_factory
+    from realscale.rollout.process import LocalRollouts
+    from realscale.train.batch import PackedBatch
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = config_from_dict(cfg_dict)
+    eng = MegatronEngine(EngineConfig(model_path=new_dir, lr=None, temperature=params["temperature"]))
+    urls = [u for u, _ in servers]
+    rollouts = LocalRollouts.build(cfg, base_dir, urls, out_dir)  # started paused, as the driver's
+    control = ServerControl(rollouts, [ServerEndpoint(u, r) for u, r in servers], client_factory(cfg, urls),
+                            roster=roster_path(out_dir), ranks_per_server=restarted[1])
+    publisher = WeightPublisher(transport_for(cfg, out_dir), control, cfg.generate.pause_mode)
+    try:
+        publisher.publish(eng, 1)
+        retired = [s.url for s in control.client.servers if s.retired]
+        live = [u for u in urls if u not in retired]
+        write_roster(out_dir, [RosterEntry(i, u) for i, u in enumerate(live)] + [RosterEntry(len(urls) - 1, restarted[0], 1)])
+        publisher.publish(eng, 2)
+        rotation = sorted(s.url for s in rollouts.controller.client.servers if s.healthy)
+        results = control.run(lambda c: _generate_each(cfg.generate.backend, [*live, restarted[0]], prompt, params))
+    finally:
+        publisher.close()
+        rollouts.stop()
+    seqs = [prompt + r.output_ids for r in results]
+    trained = _split(eng.logprobs(PackedBatch.from_sequences(seqs))["logprobs"], seqs)
+    return {"retired": retired, "rotation": rotation, "served": [r.output_logprobs for r in results],
+            "versions": [r.output_versions for r in results], "trained": [t[len(prompt):] for t in trained]}

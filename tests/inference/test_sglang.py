@@ -256,6 +256,42 @@ def test_killed_server_run_continues(servers, models) -> None:
     assert set(after.output_versions) == {1}
 
 
+def test_restarted_server_rejoins_the_weight_group(servers, models, tmp_path) -> None:
+    """B is dead (the test before). The launcher's spawner starts a new SGLang server C
+    on the base model, as the run's launcher restarts a dead one; a first publish retires
+    B and hosts the weight group for A alone; the roster then names C, and the next
+    publish rebuilds the group (A leaves it: ``/destroy_weights_update_group``, SGLang
+    refuses a group name twice, ``init_custom_process_group``) with C in it, and puts C in
+    the rotation. C's tokens carry the new version, its log-probs equal the trainer's, and
+    its weights are the trainer's bit for bit."""
+    from dataclasses import asdict
+
+    import torch
+    from safetensors.torch import load_file
+
+    from realscale.config import Config
+
+    base, new = models
+    urls = [u for u, _, _ in servers]
+    cfg = Config()
+    cfg.generate = _gen_config()
+    cfg.data.task_heldout = 20
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    names = ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+    with cases.engine_servers(base, [_gen_config()], str(tmp_path), "SGLang server", 900, grace=15) as started:
+        restarted = started[0][0]
+        out = run_distributed(cases.rejoin_restarted, 1, asdict(cfg), base, new, [(u, tp) for u, tp, _ in servers],
+                              (restarted, 1), str(tmp_path), PROMPTS[1], params, timeout=900)[0]
+        weights = _served_weights(restarted, names, rows=1 << 16)
+    assert out["retired"] == [urls[1]] and out["rotation"] == sorted([urls[0], restarted])
+    for served, trained, versions in zip(out["served"], out["trained"], out["versions"]):
+        assert set(versions) == {2}
+        assert cases.max_diff(served, trained) < TOL
+    want = load_file(os.path.join(new, "model.safetensors"))
+    for name, got in weights.items():
+        assert _served_is(torch.tensor(got, dtype=torch.float32), want[name].float()), name
+
+
 def _realscale(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "realscale", *args], capture_output=True, text=True, timeout=timeout)
 

@@ -182,6 +182,33 @@ def test_killed_server_run_continues(servers, models) -> None:
     assert set(after.output_versions) == {1}
 
 
+def test_restarted_server_rejoins_the_weight_group(servers, models, tmp_path) -> None:
+    """B is dead (the test before). A new vLLM server C on the base model, started by the
+    launcher's spawner as the run's launcher restarts a dead one: a first publish retires
+    B (vLLM's weight group among A alone), the roster then names C and the next publish
+    rebuilds the group with it (``/shutdown_weight_transfer_engine`` on A, then
+    ``/init_weight_transfer_engine`` on both) and puts C in the rotation: its tokens carry
+    the new version and its log-probs equal the trainer's."""
+    from dataclasses import asdict
+
+    from realscale.config import Config
+
+    base, new = models
+    urls = [u for u, _, _ in servers]
+    cfg = Config()
+    cfg.generate = _gen_config(vllm_enforce_eager=True)
+    cfg.data.task_heldout = 20
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    with cases.engine_servers(base, [cfg.generate], str(tmp_path), "vLLM server", 1200) as started:
+        restarted = started[0][0]
+        out = run_distributed(cases.rejoin_restarted, 1, asdict(cfg), base, new, [(u, tp) for u, tp, _ in servers],
+                              (restarted, 1), str(tmp_path), PROMPTS[1], params, timeout=900)[0]
+    assert out["retired"] == [urls[1]] and out["rotation"] == sorted([urls[0], restarted])
+    for served, trained, versions in zip(out["served"], out["trained"], out["versions"]):
+        assert set(versions) == {2}
+        assert cases.max_diff(served, trained) < TOL
+
+
 def test_server_that_fails_to_start_names_its_log(tmp_path) -> None:
     """A vLLM server that exits before it is ready: one line naming its log."""
     from realscale.errors import LaunchError

@@ -104,7 +104,7 @@ class InferenceClient:
     def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 5.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
                  max_interruptions: int = 100, per_server: int = 0, dialect: Dialect | None = None,
-                 timeout_slack: float = 4.0) -> None:
+                 timeout_slack: float = 4.0, control_timeout: float = CONTROL_TIMEOUT_S) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.dialect = dialect or Dialect()
         self._pause_mode = "abort"  # of the last pause: the dialect's resume may depend on it
@@ -113,6 +113,8 @@ class InferenceClient:
         # generation: 0 auto, -1 none, > 0 fixed (realscale/inference/timeouts.py)
         self.timeouts = RequestTimeouts(request_timeout, timeout_slack)
         self.request_timeout = request_timeout if request_timeout > 0 else CONTROL_TIMEOUT_S
+        # pause / resume / liveness: one slow server must not hold the cluster (module docstring)
+        self.control_timeout = control_timeout
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
         self.backoff = backoff
@@ -264,6 +266,8 @@ class InferenceClient:
                     reply = task.result()
                     self._observe(reply, mark)
                     return reply
+                if server.retired:  # gone from the run (it missed a pause or an update): resend elsewhere
+                    raise asyncio.TimeoutError(f"{server.url} was retired while {rid} ran there")
             log.warning("request %s on %s past its %.0f s limit: aborting it there, keeping its partial output",
                         rid, server.url, limit)
             try:
@@ -315,12 +319,12 @@ class InferenceClient:
         (nobody listens on the port) or a 5xx answer, a few times in a row, means it is
         gone; a slow answer does not: on a loaded machine a live server can take many
         seconds to answer, and retiring it would cost the run a healthy server, so slow
-        ones are waited for up to ``request_timeout``."""
-        deadline = time.monotonic() + self.request_timeout
+        ones are waited for up to ``control_timeout``."""
+        deadline = time.monotonic() + self.control_timeout
         refusals = 0
         while True:
             try:
-                await self._request(server, "GET", self.dialect.liveness_path, timeout=min(10.0, self.request_timeout))
+                await self._request(server, "GET", self.dialect.liveness_path, timeout=min(10.0, self.control_timeout))
                 return True
             except (aiohttp.ClientConnectorError, aiohttp.ClientResponseError, ServerError):
                 refusals += 1
@@ -393,15 +397,22 @@ class InferenceClient:
                               num_interruptions=interruptions, num_resends=resends,
                               latency=time.monotonic() - start, num_timeouts=timeouts)
 
-    async def _control(self, path: str, body: dict[str, Any], also: set[str] | frozenset[str] = frozenset()) -> None:
-        """POST to every server in rotation (and those in ``also`` not retired); one that
-        cannot be reached is taken out of rotation (a dead server must not stop the others
-        from pausing or resuming)."""
+    async def _control(self, path: str, body: dict[str, Any], also: set[str] | frozenset[str] = frozenset(),
+                       retire_slow: bool = False) -> None:
+        """POST to every server in rotation (and those in ``also`` not retired), each within
+        ``control_timeout``; one that cannot be reached is taken out of rotation (a dead
+        server must not stop the others from pausing or resuming). ``retire_slow`` (a pause):
+        one that does not answer in time is retired, since it may still be generating with
+        the weights the update replaces; the launcher starts it again."""
         targets = [s for s in self.servers if s.healthy or (s.url in also and not s.retired)]
-        results = await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._request(s, "POST", path, body, timeout=self.control_timeout)
+                                         for s in targets), return_exceptions=True)
         for server, res in zip(targets, results):
-            if isinstance(res, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)):
+            if isinstance(res, asyncio.TimeoutError) and retire_slow:
+                log.warning("server %s did not answer %s within %.0f s (generate.control_timeout_s); retired",
+                            server.url, path, self.control_timeout)
+                server.retired, server.healthy = True, False
+            elif isinstance(res, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)):
                 self._mark_down(server, res)
             elif isinstance(res, BaseException):
                 raise res
@@ -412,7 +423,7 @@ class InferenceClient:
         self._paused_urls = {s.url for s in self.servers if s.healthy}
         self.timeouts.pause()  # held requests do not run out of time while the servers are paused
         for path, body in self.dialect.pause(mode):
-            await self._control(path, body)
+            await self._control(path, body, retire_slow=True)
 
     async def resume(self) -> None:
         """Resume every server this client paused, also one taken out of rotation since

@@ -6,6 +6,10 @@ each weight update: a URL it does not know is a restarted server, which joins th
 update (the weight group or world is rebuilt with it) and then the rotation
 (:meth:`realscale.inference.client.InferenceClient.add_server`). A server is never put
 in rotation before it holds the run's current weights: it starts from the base model.
+
+The other way, rank 0 appends to ``retired.txt`` beside it the URL of each server a
+weight update retired; a retired server whose process still runs (it did not answer a
+pause in time: stuck, or too slow) is ended and started again by the launcher.
 """
 
 from __future__ import annotations
@@ -41,3 +45,23 @@ def read_roster(path: str) -> list[RosterEntry]:
             return [RosterEntry(**e) for e in json.load(fh)["servers"]]
     except FileNotFoundError:
         return []
+
+
+def _retired_path(roster: str) -> str:
+    return os.path.join(os.path.dirname(roster), "retired.txt")
+
+
+def report_retired(roster: str, urls: list[str]) -> None:
+    """Rank 0: these servers left the run (the roster at ``roster`` is the run's)."""
+    os.makedirs(os.path.dirname(roster), exist_ok=True)
+    with open(_retired_path(roster), "a", encoding="utf-8") as fh:
+        fh.writelines(u + "\n" for u in urls)
+
+
+def read_retired(out_dir: str) -> set[str]:
+    """The launcher: every URL rank 0 retired so far."""
+    try:
+        with open(_retired_path(roster_path(out_dir)), encoding="utf-8") as fh:
+            return {line.strip() for line in fh if line.strip()}
+    except FileNotFoundError:
+        return set()

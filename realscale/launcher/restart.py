@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from realscale.errors import LaunchError
-from realscale.inference.roster import RosterEntry, write_roster
+from realscale.inference.roster import RosterEntry, read_retired, write_roster
 
 
 class ServerHooks(Protocol):
     """What a backend offers the keeper for server ``i``."""
 
     def server_exit_code(self, i: int) -> int | None: ...  # None while it runs
-    def respawn_server(self, i: int) -> None: ...  # start it again (on the wait loop's thread)
+    def respawn_server(self, i: int) -> None: ...  # end what is left of it, start it again (on the wait loop's thread)
     def server_ready(self, i: int) -> str: ...  # block until it answers /health: its URL; LaunchError if it cannot
 
 
@@ -47,20 +47,26 @@ class ServerKeeper:
         self._publish()
 
     def check(self) -> None:
-        """Start again every server that has exited since the last look."""
+        """Start again every server that has exited since the last look, or that the
+        trainer retired while it still runs (it did not answer a pause in time)."""
+        retired = read_retired(self.out_dir)
         for i, slot in enumerate(self.slots):
             if slot.given_up or (slot.starting is not None and slot.starting.is_alive()):
                 continue
             code = self.hooks.server_exit_code(i)
-            if code is None:
+            if code is not None:
+                why = f"exited with code {code}"
+            elif slot.url in retired:
+                why = "was retired by the trainer (it did not answer in time) and is ended"
+            else:
                 continue
             if slot.restarts >= self.limit:
                 slot.given_up = True
-                print(f"realscale: generation server {i} ({slot.url}) exited with code {code}; not started again "
+                print(f"realscale: generation server {i} ({slot.url}) {why}; not started again "
                       f"(launch.server_restarts={self.limit} used); the run goes on with the others", flush=True)
                 continue
             slot.restarts += 1
-            print(f"realscale: generation server {i} ({slot.url}) exited with code {code}; starting it again "
+            print(f"realscale: generation server {i} ({slot.url}) {why}; starting it again "
                   f"({slot.restarts} of launch.server_restarts={self.limit})", flush=True)
             self.hooks.respawn_server(i)
             slot.starting = threading.Thread(target=self._await_ready, args=(i, slot), name=f"server{i}-restart",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
 from realscale.inference.client import InferenceClient
-from realscale.inference.roster import read_roster
+from realscale.inference.roster import read_roster, report_retired
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class ServerControl:
     :mod:`realscale.inference.roster`) is read; a URL not known yet is added to the client
     as pending, so that the weight update goes to it too (the transports rebuild their
     group or world when its members change), and once the update is done it is handed to
-    the controller (``admit``) to generate."""
+    the controller (``admit``) to generate. Servers an update retired are reported to the
+    launcher beside the roster (one still running is ended and started again)."""
 
     def __init__(self, rollouts: RolloutSide, servers: list[ServerEndpoint],
                  client: Callable[[], "InferenceClient"], roster: str | None = None,
@@ -58,6 +59,7 @@ class ServerControl:
         self.servers = servers
         self.roster = roster
         self.ranks_per_server = ranks_per_server
+        self._reported: set[str] = set()  # retired servers the launcher was told of
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="server-control", daemon=True)
         self._thread.start()
@@ -93,6 +95,9 @@ class ServerControl:
         retired = [s.url for s in self.client.servers if s.retired]
         if retired:
             self.rollouts.retire(retired)
+        if self.roster is not None and set(retired) - self._reported:
+            report_retired(self.roster, sorted(set(retired) - self._reported))  # the launcher restarts them
+            self._reported.update(retired)
         self.rollouts.set_version(version)
         self.run(lambda c: c.resume())
         admitted = self.run(_admit_pending)  # the update reached them: they hold this version

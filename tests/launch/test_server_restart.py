@@ -1,10 +1,14 @@
-"""A generation server that dies is started again and rejoins the run (issue 30, item 3).
+"""A generation server that dies, or hangs, is started again and rejoins the run (issue
+30, items 3 and 4).
 
-`realscale train` with two embedded servers; one is SIGKILLed after step 2. Its requests
-go to the other; the launcher starts it again (a new process, a new port) and lists it in
-the run's roster; trainer rank 0 adds it to the next weight update (the weight world is
-rebuilt with it) and then to the rotation. The run finishes every step, loses no request,
-and the restarted server ends holding exactly the trainer's last weights.
+`realscale train` with two embedded servers; after step 2 one is SIGKILLed, or SIGSTOPped
+(it hangs: it answers nothing, the pause included). Its requests go to the other; a hung
+server misses the next pause by ``generate.control_timeout_s`` and is retired for that
+update instead of holding the other paused, and the launcher ends it. The launcher starts
+it again (a new process, a new port) and lists it in the run's roster; trainer rank 0
+adds it to the next weight update (the weight world is rebuilt with it) and then to the
+rotation. The run finishes every step, loses no request, and the restarted server ends
+holding exactly the trainer's last weights.
 """
 
 from __future__ import annotations
@@ -65,11 +69,13 @@ class RestartWatch:
         return self.seen
 
 
-def test_killed_server_restarts_and_rejoins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_failed_server_restarts_and_rejoins(tmp_path: Path, fault: str) -> None:
     total = 8
     run = tmp_path / "r"
     args = [a for a in ARGS if not a.startswith("run.total_steps")] + [f"run.total_steps={total}",
-                                                                        "generate.num_servers=2"]
+                                                                        "generate.num_servers=2",
+                                                                        "generate.control_timeout_s=5"]
     cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     watch = RestartWatch(run)
@@ -81,7 +87,7 @@ def test_killed_server_restarts_and_rejoins(tmp_path: Path) -> None:
             time.sleep(0.3)
         servers = _servers_of(proc.pid)
         assert len(servers) == 2, servers
-        os.kill(servers[1], signal.SIGKILL)
+        os.kill(servers[1], getattr(signal, fault))
         out, _ = proc.communicate(timeout=600)
     finally:
         seen = watch.close()
@@ -89,7 +95,9 @@ def test_killed_server_restarts_and_rejoins(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = out.decode()
     assert proc.returncode == 0, text[-3000:]
-    assert "generation server 1" in text and "starting it again (1 of launch.server_restarts=3)" in text, text[-3000:]
+    assert "starting it again (1 of launch.server_restarts=3)" in text, text[-3000:]
+    why = "exited with code -9" if fault == "SIGKILL" else "was retired by the trainer"
+    assert f"generation server 1 (http://127.0.0.1:" in text and why in text, text[-3000:]
     assert trained_steps(run) == list(range(1, total + 1))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in metrics if "train/loss" in m]

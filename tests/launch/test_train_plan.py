@@ -28,6 +28,8 @@ roles:
 """
 
 
+@pytest.mark.e2e  # a whole realscale train run (56 s): the default tier stays under its 15 minutes
+@pytest.mark.timeout(900)
 def test_a_plan_runs_end_to_end_with_shard_to_shard_weight_sync(tmp_path: Path) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)

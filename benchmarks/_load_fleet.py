@@ -223,6 +223,7 @@ class _Held:
 class Counters:
     tokens: int = 0
     replies: int = 0
+    finished: int = 0  # replies that end their answer (not aborted)
     held: int = 0
     peak_held: int = 0
     aborted: int = 0
@@ -314,9 +315,10 @@ class LoadServer:
         n, reason, ran = await self._decode(rid, answer, budget)
         a = answer.done
         answer.done += n
+        c = self.shared.counters
         if reason != "abort":
             self.shared.answers.pop(_base(rid), None)
-        c = self.shared.counters
+            c.finished += 1
         c.tokens += n
         c.replies += 1
         seg = self.tokens.segment(answer.length, answer.tail, a, a + n, answer.length <= answer.budget)
@@ -471,7 +473,7 @@ class LoadServer:
 
     async def fleet_stats(self, request: web.Request) -> web.Response:
         c = self.shared.counters
-        return web.json_response({"tokens": c.tokens, "replies": c.replies, "held": c.held,
+        return web.json_response({"tokens": c.tokens, "replies": c.replies, "finished": c.finished, "held": c.held,
                                   "peak_held": c.peak_held, "aborted": c.aborted})
 
     async def fleet_rate(self, request: web.Request) -> web.Response:

@@ -31,13 +31,15 @@ def resolved_data_config(cfg: "Config", out_dir: str) -> "DataConfig":
     return type(data_cfg)(**{**asdict(data_cfg), "source": source})
 
 
-def build_controller(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str) -> "RolloutController":
-    """The rollout controller of a run (trainer rank 0): prompts from ``cfg.data``, the
-    workflow ``cfg.rollout.workflow`` names, generation on ``server_urls``."""
+def build_controller(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str, *, rank: int = 0,
+                     world: int = 1) -> "RolloutController":
+    """The rollout controller of a run (trainer rank 0): prompts from ``cfg.data`` (share
+    ``rank`` of ``world``: one rollout shard's, realscale/rollout/sharded.py), the workflow
+    ``cfg.rollout.workflow`` names, generation on ``server_urls``."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
-    dataset = dataset_from_config(resolved_data_config(cfg, out_dir), seed=cfg.run.seed,
+    dataset = dataset_from_config(resolved_data_config(cfg, out_dir), seed=cfg.run.seed, rank=rank, world=world,
                                   prompt_len=lambda t: len(tokenizer.encode(t)))
     workflow = workflow_from_config(cfg, tokenizer)
     return RolloutController.from_config(cfg, server_urls, dataset, workflow)

@@ -158,6 +158,7 @@ class ShardedRollouts:
         self.servers = [[u.rstrip("/") for u in s] for s in servers]
         self.shares = split_evenly(batch_size, len(shards))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="shard")
+        self._ready: dict[int, RolloutBatch] = {}  # shares taken by a next_batch that another shard failed
 
     def _each(self, fn: Any) -> list[Any]:
         """``fn(shard, i)`` on every shard at once; the first error is raised."""
@@ -165,10 +166,23 @@ class ShardedRollouts:
         return [f.result() for f in futures]
 
     def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+        """Every shard's share, joined. A shard that runs out of time raises its error; the
+        shares the others already took are kept for the next call (they left their buffers)."""
         if num_groups != sum(self.shares):
             raise ValueError(f"rollout shards: a batch is {sum(self.shares)} groups (the shards' shares "
                              f"{self.shares}), asked for {num_groups}")
-        return join_batches(self._each(lambda s, i: s.next_batch(self.shares[i], version, timeout)))
+        todo = [i for i in range(len(self.shards)) if i not in self._ready]
+        futures = {i: self._pool.submit(self.shards[i].next_batch, self.shares[i], version, timeout) for i in todo}
+        error: BaseException | None = None
+        for i, fut in futures.items():
+            try:
+                self._ready[i] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others' shares are kept
+                error = error or exc
+        if error is not None:
+            raise error
+        parts, self._ready = [self._ready[i] for i in range(len(self.shards))], {}
+        return join_batches(parts)
 
     def pause(self) -> None:
         self._each(lambda s, i: s.pause())

@@ -55,11 +55,14 @@ def test_joined_shards_equal_one_packed_batch() -> None:
 
 
 class _FakeShard:
-    def __init__(self, i: int) -> None:
-        self.i, self.calls = i, []
+    def __init__(self, i: int, late: int = 0) -> None:
+        self.i, self.calls, self.late = i, [], late
 
     def next_batch(self, n: int, version: int, timeout: float | None = None) -> RolloutBatch:
         self.calls.append(("next_batch", n))
+        if self.late:
+            self.late -= 1
+            raise TimeoutError("not yet")
         return pack_groups(_groups(n), load_config(None, []).algo, version)
 
     def __getattr__(self, op: str):  # noqa: ANN204 - every other operation is recorded
@@ -82,3 +85,12 @@ def test_sharded_rollouts_route_by_owner() -> None:
     r.set_version(3)
     assert all(("set_version", 3) in s.calls for s in shards)
     assert join_controller_stats([{"accepted": 1, "inflight_server_max": 4}, {"accepted": 2}])["accepted"] == 3
+
+
+def test_a_late_shard_keeps_the_others_shares() -> None:
+    shards = [_FakeShard(0), _FakeShard(1, late=1)]
+    r = ShardedRollouts(shards, [["http://a"], ["http://b"]], batch_size=4)
+    with pytest.raises(TimeoutError):
+        r.next_batch(4, 0)
+    assert r.next_batch(4, 0).batch.num_seqs == 4 * 4  # shard 0's share from the first call, not asked again
+    assert [c[0] for c in shards[0].calls] == ["next_batch"] and [c[0] for c in shards[1].calls] == ["next_batch"] * 2

@@ -27,13 +27,32 @@ def disabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _import(name: str) -> ModuleType | None:
-    try:
-        import torch  # noqa: F401 - extensions link against libtorch; load it first
+    return _imported(name)[0]
 
-        return importlib.import_module(f"realscale._kernels.{name}")
+
+@functools.lru_cache(maxsize=None)
+def _imported(name: str) -> tuple[ModuleType | None, str]:
+    """(module, "") or (None, why). A kernel that is built but does not import (compiled
+    against another torch: an undefined symbol) is said once, as a warning: it is a broken
+    install, not a choice."""
+    import torch  # noqa: F401 - extensions link against libtorch; load it first
+
+    module = f"realscale._kernels.{name}"
+    try:
+        return importlib.import_module(module), ""
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            return _broken(name, exc)
+        log.info("kernel %s not built; using the Python fallback", name)
+        return None, "not built"
     except ImportError as exc:
-        log.info("kernel %s not built (%s); using the Python fallback", name, exc)
-        return None
+        return _broken(name, exc)
+
+
+def _broken(name: str, exc: ImportError) -> tuple[None, str]:
+    why = f"built but does not import ({str(exc)[:200]}); rebuild with pip install -e . against this torch"
+    log.warning("kernel %s %s; using the Python fallback", name, why)
+    return None, why
 
 
 def load(name: str, cuda: bool = False) -> ModuleType | None:
@@ -46,12 +65,18 @@ def load(name: str, cuda: bool = False) -> ModuleType | None:
 
 def available() -> dict[str, bool]:
     """Which kernel sources exist next to the package and whether each one loads."""
+    return {name: why == "ok" for name, why in status().items()}
+
+
+def status() -> dict[str, str]:
+    """Each kernel source next to the package: "ok", "disabled", "not built", or why its
+    built module does not import."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     csrc = os.path.join(here, "csrc")
-    out: dict[str, bool] = {}
+    out: dict[str, str] = {}
     if os.path.isdir(csrc):
         for fname in sorted(os.listdir(csrc)):
             if fname.endswith(".cpp"):
                 stem = fname[:-4]
-                out[stem] = load(stem) is not None
+                out[stem] = "disabled" if disabled() else (_imported(stem)[1] or "ok")
     return out

@@ -31,9 +31,17 @@ def collect() -> dict[str, object]:
         "megatron-core": _version("megatron-core"),
         "transformers": _version("transformers"),
         "transformer-engine": _version("transformer-engine"),
+        "TE usable": _te_usable(),
         "sglang": _version("sglang"),
-        "kernels": kernels.available(),
+        "kernels": kernels.status(),
     }
+
+
+def _te_usable() -> str:
+    from realscale.models.megatron_gpt import te_status
+
+    ok, why = te_status()
+    return "yes" if ok else f"no: Transformer Engine {why}"
 
 
 def run(args: argparse.Namespace) -> int:

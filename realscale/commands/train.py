@@ -64,11 +64,23 @@ def _check_hardware(cfg: "Config") -> None:
         return
     backend(cfg.parallel.backend)  # nccl without CUDA: BackendError, one line
     if cuda_usable():
+        _check_attention(cfg)
         return
     if cfg.launch.gpus_per_node:
         raise UserError(f"launch.gpus_per_node={cfg.launch.gpus_per_node}: this recipe is for GPU nodes and this "
                         "machine has no CUDA GPU; submit it to a GPU cluster (sbatch launch/slurm/<job>.sh) or run a "
                         "CPU recipe (configs/tiny_cpu.yaml)")
+
+
+def _check_attention(cfg: "Config") -> None:
+    """A GPU run whose packed micro-batches need Transformer Engine, without a working one."""
+    from realscale.models.family import load_arch
+    from realscale.models.megatron_gpt import check_attention_path, te_available
+
+    if cfg.model.path == "sft" or not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        return  # built by the run: the engine checks it on every rank before the first step
+    check_attention_path(load_arch(cfg.model.path), cfg.train.max_tokens_per_micro_batch, cfg.parallel.tp,
+                         on_gpu=True, use_te=te_available())
 
 
 def preflight(cfg: "Config") -> None:

@@ -7,9 +7,11 @@ parallel sizes as arguments and never asks which rank it is on.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from realscale.errors import UserError
 from realscale.models.family import ModelArch, rope_kwargs
 
 if TYPE_CHECKING:
@@ -18,13 +20,45 @@ if TYPE_CHECKING:
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def te_available() -> bool:
-    """Transformer Engine is installed and a GPU is present."""
+@functools.lru_cache(maxsize=None)
+def te_status() -> tuple[bool, str]:
+    """(usable, why not): Transformer Engine is installed, a GPU is present, and it imports
+    (a TE built against another torch fails at import: an undefined symbol)."""
     if importlib.util.find_spec("transformer_engine") is None:
-        return False
+        return False, "is not installed"
     import torch
 
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means the TE spec cannot be used
+        return False, (f"is installed but does not import ({type(exc).__name__}: {str(exc)[:160]}); "
+                       f"rebuild it against torch {torch.__version__}")
+    return True, ""
+
+
+def te_available() -> bool:
+    return te_status()[0]
+
+
+# Above this many tokens in a packed micro-batch, megatron's local spec (no TE) is refused
+# on GPUs: its attention materialises [heads, T, T] scores over the whole packed row.
+DENSE_ATTENTION_TOKENS = 8192
+
+
+def check_attention_path(arch: ModelArch, max_tokens: int, tp: int, *, on_gpu: bool, use_te: bool) -> None:
+    """A GPU run whose micro-batches would go through the dense local attention refuses to
+    start, in one line saying what to install (a silent fallback would OOM hours later)."""
+    if not on_gpu or use_te or max_tokens <= DENSE_ATTENTION_TOKENS:
+        return
+    gib = max(1, arch.num_heads // tp) * max_tokens ** 2 * 2 / 2 ** 30  # bf16 scores, one layer, one rank
+    why = te_status()[1] or "is turned off (use_te=false)"
+    raise UserError(f"train.max_tokens_per_micro_batch={max_tokens} on GPUs needs Transformer Engine, which {why}: "
+                    f"without it megatron's local attention builds [heads, T, T] scores over each packed micro-batch "
+                    f"({gib:.0f} GiB per layer per rank here). Install it (pip install --no-build-isolation "
+                    f"'transformer_engine[pytorch]', built against this torch) or set "
+                    f"train.max_tokens_per_micro_batch<={DENSE_ATTENTION_TOKENS}")
 
 
 RECOMPUTE = ("none", "selective", "full")

@@ -10,6 +10,12 @@ at the resharder's measured cost: :mod:`realscale.sim.transfer`) plus the profil
 pause/resume overhead, and the rollout batch's move to the trainer ranks (assumed, or
 measured) before each step trains. A server's KV-cache budget is what the cost model leaves free on
 its GPUs (weights, a reserve for activations), unless a slot count bounds it first.
+
+Two terms measured here rather than on a cluster: the rollout processes' ingest
+(:data:`MEASURED_ROLLOUT`, CPU seconds per answer and per generated token of one rollout
+process, ``benchmarks/bench_rollout_tier.py``), and SGLang's abort pause, which lasts at
+least :data:`SGLANG_ABORT_PAUSE_S` (a floor under the profile's pause/resume overhead for
+SGLang servers paused in abort mode).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from realscale.parallel.model_spec import ModelSpec
 from realscale.parallel.reshard import plan_reshard
 from realscale.planner import cost as C
 from realscale.planner.hardware import HardwareProfile
-from realscale.sim.des import ServerModel, SimConfig, SimError, SimResult, TrainerModel, simulate
+from realscale.sim.des import RolloutModel, ServerModel, SimConfig, SimError, SimResult, TrainerModel, simulate
 from realscale.sim.transfer import LinkCost, assumed_batch_cost
 from realscale.sim.workload import Workload
 
@@ -52,6 +58,18 @@ class RunLayout:
         return (f"{kind}: {self.gen_servers} servers x tp{self.gen_tp} ({self.gen_gpus} GPUs), "
                 f"train {self.train} ({self.train.world} GPUs)")
 
+
+# One rollout process's CPU per answer and per generated token (client, workflow, math reward
+# dispatch; saturated, 36 load servers x 256 slots, lognormal and long-tail answers):
+# `python benchmarks/bench_rollout_tier.py` on the 2-core CI machine, benchmarks/results/rollout_tier.json
+# ("costs"). A cluster host's core may be faster; the rollout side scales out by processes.
+MEASURED_ROLLOUT = RolloutModel(per_token_s=4.07e-6, per_answer_s=0.0, processes=1,
+                                source="measured: python benchmarks/bench_rollout_tier.py "
+                                       "(benchmarks/results/rollout_tier.json)")
+# SGLang 0.5.23's abort pause polls every 1 s until the aborted requests are answered
+# (tokenizer_manager.py:2274-2280): 1,007 ms measured on SGLang-on-CPU against 13 ms for the
+# embedded server (benchmarks/results/rollout_engines_sglang.json).
+SGLANG_ABORT_PAUSE_S = 1.0
 
 SGLANG_RESERVE_RATIO = 0.1  # assumed: SGLang's new_token_ratio decays from 0.7 to ~0.1 (0.7 x 0.14) while nothing is retracted
 
@@ -109,10 +127,12 @@ def _reshard(spec: ModelSpec, src: Layout, dst: Layout, gpn: int):  # noqa: ANN2
     return plan_reshard(spec, src, dst, gpn)
 
 
-def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight_link: LinkCost | None = None) -> float:
+def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight_link: LinkCost | None = None,
+                 pause_floor_s: float = 0.0) -> float:
     """Weight update: the resharder's plan from the training layout to the servers, at link
     speed times the profile's link efficiency (``weight_link`` None) or at the measured
-    cost of its busiest GPU's bytes, plus the pause/resume overhead."""
+    cost of its busiest GPU's bytes, plus the pause/resume overhead (at least
+    ``pause_floor_s``: SGLang's abort pause)."""
     gen = Strategy(layout.gen_servers, layout.gen_tp, 1)
     start = 0 if layout.colocated else layout.gen_gpus
     src = Layout(Mesh(start, layout.train.world), layout.train)
@@ -123,7 +143,7 @@ def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight
         t = plan.estimate_seconds(hw.gpu.nvlink_gbps * link, hw.gpu.ib_gbps * link)
     else:  # sends and receives overlap: the busiest direction of the busiest GPU
         t = weight_link.seconds(max(plan.max_recv_bytes(), plan.max_send_bytes()))
-    return t + hw.eff.weight_update_overhead_s
+    return t + max(hw.eff.weight_update_overhead_s, pause_floor_s)
 
 
 def switch_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout) -> float:
@@ -153,6 +173,8 @@ class Scenario:
     padded_attention: bool = False       # the embedded server: decode attends over the longest context
     weight_link: LinkCost | None = None  # None: the resharder's plan at the profile's link speed
     batch_link: LinkCost | None = None   # None: assumed_batch_cost(hw)
+    rollout: RolloutModel = MEASURED_ROLLOUT  # the rollout processes (GPU runs; off on a shared host)
+    pause_floor_s: float = 0.0           # SGLANG_ABORT_PAUSE_S for SGLang paused in abort mode
 
     def models(self) -> tuple[ServerModel, TrainerModel]:
         lay = self.layout
@@ -161,7 +183,7 @@ class Scenario:
         server = server_model(self.spec, self.hw, lay.gen_tp, self.workload.prompt_len, self.max_running,
                               self.kv_budget, padded=self.padded_attention)
         try:
-            sync = sync_seconds(self.spec, self.hw, lay, self.weight_link)
+            sync = sync_seconds(self.spec, self.hw, lay, self.weight_link, self.pause_floor_s)
         except LayoutError as exc:
             raise SimError(f"{lay.describe()}: {exc}") from None
         trainer = trainer_model(self.spec, self.hw, lay.train, train_mb_tokens=self.train_mb_tokens,
@@ -193,11 +215,14 @@ class Scenario:
                                    trainer.sync_seconds, trainer.gpus, trainer.abort_seconds / f)
         else:
             f = 1.0
+        rollout = self.rollout if self.hw.gpu.host_cores <= 0 else RolloutModel()  # a CPU host: host_cores
+        # a share f of the servers loads each process by f: its costs / f keep its load the cluster's
+        rollout = RolloutModel(rollout.per_token_s / f, rollout.per_answer_s / f, rollout.processes, rollout.source)
         cfg = SimConfig(w, eta, servers, max_concurrent=max(1, round(self.max_concurrent * f)),
                         steps=steps, warmup=warmup, interrupt=self.interrupt, colocated=self.layout.colocated,
                         switch_seconds=switch_seconds(self.spec, self.hw, self.layout) if self.layout.colocated else 0.0,
                         seed=seed, host_cores=self.hw.gpu.host_cores,
-                        client_cpu_per_request=self.hw.eff.client_request_cpu_s)
+                        client_cpu_per_request=self.hw.eff.client_request_cpu_s, rollout=rollout)
         res = simulate(cfg, server, trainer)
         if f < 1.0:
             res.tokens_per_s /= f

@@ -46,6 +46,16 @@ What is simulated, event by event (times in seconds):
   that part only. After a weight update the servers get their new prompts before the
   trainer takes its next batch, as the real controller resumes while the trainer goes on. On GPUs ``host_cores`` is 0 and nothing is shared.
 
+- **The rollout processes** (:class:`RolloutModel`, on GPUs): every answer a server
+  finishes is ingested by the rollout process that owns its server (server ``i`` ->
+  process ``i mod k``: :mod:`realscale.rollout.sharded`) at ``per_answer_s + per_token_s
+  x length`` CPU seconds, one answer at a time: the answer reaches the controller (its
+  group, the batch, the next prompt) only when its process has taken it in. A process
+  loaded past 1 queues answers and slows the run; ``SimResult.rollout_load`` is the busiest
+  process's busy fraction (below 0.5: at least 2x headroom). The costs are measured
+  (``benchmarks/bench_rollout_tier.py``); a CPU machine's host sharing is modelled by
+  ``host_cores`` instead, so there the rollout model is off.
+
 Outputs (:class:`SimResult`): effective training throughput (trained answer tokens / wall
 time, the AReaL paper's metric and ``perf/trained_tokens_per_s`` of our runs), generated
 tokens/s, idle fractions per role (the fraction of the role's GPU-time with nothing to do:
@@ -55,7 +65,9 @@ seconds, and the timeline of every step.
 Departures from the real system: answers are independent draws unless the workload
 draws a group together (:class:`realscale.sim.workload.TaskMix`); the weight transfer
 starts when the trainer finishes, not when the last server has finished its current step;
-rewards, batch packing and HTTP take no time beyond the profile's per-request overhead.
+rewards, batch packing and HTTP take no time beyond the profile's per-request overhead on a
+CPU host, and beyond the rollout model's per-answer and per-token CPU on GPUs (which does
+not model the rollout process's pauses, nor the batch's packing apart).
 """
 
 from __future__ import annotations
@@ -73,7 +85,7 @@ from realscale.sim.workload import Workload
 from realscale.errors import UserError
 
 # event kinds
-_CHUNK, _TRAIN_DONE, _SYNC_DONE = 0, 1, 2
+_CHUNK, _TRAIN_DONE, _SYNC_DONE, _INGESTED = 0, 1, 2, 3
 
 
 class SimError(UserError):
@@ -103,6 +115,33 @@ class TrainerModel:
     abort_seconds: float = 0.0                       # per request aborted by a pause (interrupt="recompute")
 
 
+@dataclass(frozen=True)
+class RolloutModel:
+    """The rollout side: ``processes`` rollout processes, each spending ``per_answer_s +
+    per_token_s x length`` CPU seconds on an answer (client, workflow, reward dispatch,
+    packing), one core each."""
+
+    per_token_s: float = 0.0
+    per_answer_s: float = 0.0
+    processes: int = 1
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.per_token_s < 0 or self.per_answer_s < 0 or self.processes < 1:
+            raise SimError(f"sim: rollout costs must be >= 0 and processes >= 1, got {self}")
+
+    @property
+    def active(self) -> bool:
+        return self.per_token_s > 0 or self.per_answer_s > 0
+
+    def seconds(self, tokens: int) -> float:
+        return self.per_answer_s + self.per_token_s * tokens
+
+    def tokens_per_s(self, mean_len: float) -> float:
+        """Generated tokens per second the processes take in at answers of ``mean_len`` tokens."""
+        return self.processes * mean_len / self.seconds(mean_len) if self.active else math.inf
+
+
 @dataclass
 class SimConfig:
     workload: Workload
@@ -117,6 +156,7 @@ class SimConfig:
     seed: int = 0
     host_cores: float = 0.0           # > 0: every role shares these cores (module docstring)
     client_cpu_per_request: float = 0.0  # host CPU seconds per request outside the servers
+    rollout: RolloutModel = RolloutModel()  # the rollout processes' ingest (off by default)
 
     def __post_init__(self) -> None:
         if self.eta < 0 or self.n_servers < 1 or self.steps < 1 or not 0 <= self.warmup < self.steps:
@@ -155,12 +195,13 @@ class SimResult:
     mean_trained_len: float
     mean_generated_len: float
     staleness_hist: dict[int, int]
+    rollout_load: float = 0.0           # busiest rollout process's busy fraction (0: not modelled)
 
     def summary(self) -> dict:
         return {"tokens_per_s": self.tokens_per_s, "generated_tokens_per_s": self.generated_tokens_per_s,
                 "step_seconds": self.step_seconds, "idle": self.idle, "weight_sync_s": self.weight_sync_s,
                 "accepted_fraction": self.accepted_fraction, "mean_trained_len": self.mean_trained_len,
-                "mean_generated_len": self.mean_generated_len,
+                "mean_generated_len": self.mean_generated_len, "rollout_load": self.rollout_load,
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
 
 
@@ -252,6 +293,10 @@ class Simulation:
         self.stale: collections.Counter[int] = collections.Counter()
         self.snap: dict[str, float] = {}
         self.now = 0.0
+        rp = cfg.rollout.processes
+        self.ingest_free = [0.0] * rp     # when each rollout process has taken in what it was given
+        self.ingest_busy = [0.0] * rp
+        self.ingesting: dict[int, _Seq] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -271,6 +316,8 @@ class Simulation:
             elif kind == _TRAIN_DONE:
                 if a == self.train_token:
                     self._train_done()
+            elif kind == _INGESTED:
+                self._seq_done(self.ingesting.pop(a))
             else:
                 self._sync_done()
         if len(self.timeline) < self.cfg.steps:
@@ -409,9 +456,21 @@ class Simulation:
         self.finished_len += sum(seq.length for seq in finished)
         srv.active = False
         for seq in finished:
-            self._seq_done(seq)
+            if self.cfg.rollout.active:
+                self._ingest(srv, seq)
+            else:
+                self._seq_done(seq)
         if not srv.active:  # _seq_done may already have re-planned it (new requests)
             self._plan(srv)
+
+    def _ingest(self, srv: _Server, seq: _Seq) -> None:
+        """The answer goes to its server's rollout process, which takes answers one at a time."""
+        p = srv.idx % self.cfg.rollout.processes
+        cost = self.cfg.rollout.seconds(seq.length)
+        self.ingest_free[p] = max(self.now, self.ingest_free[p]) + cost
+        self.ingest_busy[p] += cost
+        self.ingesting[seq.uid] = seq
+        self._push(self.ingest_free[p], _INGESTED, seq.uid)
 
     # ------------------------------------------------------------------ controller
 
@@ -534,11 +593,12 @@ class Simulation:
     def _snapshot(self) -> None:
         self.snap = {"t": self.now, "gen_busy": sum(s.busy for s in self.servers),
                      "gen_tokens": float(self.gen_tokens_done), "train_busy": self.train_busy,
-                     "sync_busy": self.sync_busy, "sync_count": self.sync_count}
+                     "sync_busy": self.sync_busy, "sync_count": self.sync_count,
+                     "ingest_busy": list(self.ingest_busy)}
 
     def _result(self) -> SimResult:
         snap = self.snap or {"t": 0.0, "gen_busy": 0.0, "gen_tokens": 0.0, "train_busy": 0.0, "sync_busy": 0.0,
-                             "sync_count": 0}
+                             "sync_count": 0, "ingest_busy": [0.0] * len(self.ingest_busy)}
         t0, t1 = snap["t"], self.timeline[-1].sync_end
         wall = max(t1 - t0, 1e-12)
         measured = self.timeline[self.cfg.warmup:]
@@ -559,7 +619,8 @@ class Simulation:
             accepted_fraction=self.accepted / max(1, self.submitted),
             mean_trained_len=float(np.mean(self.trained_lens)) if self.trained_lens else 0.0,
             mean_generated_len=self.finished_len / max(1, self.finished),
-            staleness_hist=dict(self.stale))
+            staleness_hist=dict(self.stale),
+            rollout_load=max(b - a for a, b in zip(snap["ingest_busy"], self.ingest_busy)) / wall)
 
 
 def simulate(cfg: SimConfig, server: ServerModel, trainer: TrainerModel) -> SimResult:

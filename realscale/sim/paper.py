@@ -43,7 +43,7 @@ from realscale.planner.cost import Workload as PlanWorkload
 from realscale.planner.hardware import Efficiency, HardwareProfile, Source, builtin_profile
 from realscale.planner.plan import plan_from_search
 from realscale.planner.search import Problem, default_roles, search
-from realscale.sim.build import RunLayout, Scenario
+from realscale.sim.build import SGLANG_ABORT_PAUSE_S, RunLayout, Scenario
 from realscale.sim.recipe import layout_from_plan
 from realscale.sim.workload import Lognormal, Workload
 
@@ -129,7 +129,7 @@ def scenario(cal: Calibrated, size: str, gpus: int, max_new: int, system: str,
         layout = verl_layout(setup, gpus) if system == "verl" else areal_layout(setup, gpus)
     w = Workload(BATCH, N_SAMPLES, PROMPT_LEN, max_new, cal.lengths)
     return Scenario(known_model(setup.name), cal.profile, layout, w, 0 if system != "areal" else eta,
-                    interrupt="recompute")
+                    interrupt="recompute", pause_floor_s=SGLANG_ABORT_PAUSE_S if system != "verl" else 0.0)
 
 
 def throughput(cal: Calibrated, size: str, gpus: int, max_new: int, system: str, sample: float = 1.0,

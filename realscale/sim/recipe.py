@@ -28,7 +28,7 @@ from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolv
 from realscale.parallel.mesh import Strategy
 from realscale.parallel.model_spec import ModelSpec, spec_from_hf_config, transformer_spec
 from realscale.planner.hardware import HardwareProfile
-from realscale.sim.build import RunLayout, Scenario
+from realscale.sim.build import SGLANG_ABORT_PAUSE_S, RunLayout, Scenario
 from realscale.sim.workload import (
     AcceptAll,
     AcceptFraction,
@@ -145,4 +145,6 @@ def scenario_from_config(cfg: Config, hw: HardwareProfile, *, plan: Plan | None 
                     minibatches=cfg.train.mini_batches, max_running=cfg.generate.max_running_requests,
                     kv_budget=gpu_job, max_concurrent=cfg.rollout.max_concurrent,
                     interrupt="in_place" if cfg.generate.pause_mode == "in_place" else "recompute",
-                    ref=cfg.algo.kl_coef > 0, padded_attention=cfg.generate.backend == "embedded")
+                    ref=cfg.algo.kl_coef > 0, padded_attention=cfg.generate.backend == "embedded",
+                    pause_floor_s=SGLANG_ABORT_PAUSE_S if (cfg.generate.backend == "sglang"
+                                                          and cfg.generate.pause_mode == "abort") else 0.0)

@@ -22,6 +22,7 @@ averages over DP ranks; we multiply those factors back in.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,8 +35,8 @@ import torch.distributed as dist
 
 from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
 from realscale.models.family import load_arch
-from realscale.models.megatron_gpt import build_gpt, te_available, transformer_config
-from realscale.parallel.device import comm_device, comm_empty, group_backend, local_device, to_comm
+from realscale.models.megatron_gpt import build_gpt, check_attention_path, te_available, te_status, transformer_config
+from realscale.parallel.device import comm_device, comm_empty, cuda_usable, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.train.batch import PackedBatch, block_causal_mask
@@ -49,6 +50,8 @@ NormalizerFn = Callable[[PackedBatch], torch.Tensor]
 # Statistics that are a micro-batch's share of a loss term normalised over the global batch
 # (realscale.algo.losses, realscale.algo.value): the step's value is their sum, not their mean.
 SUMMED_STATS = frozenset({"loss", "pg_loss", "kl", "value_loss"})
+
+log = logging.getLogger(__name__)
 
 
 def masked_tokens(mb: PackedBatch) -> torch.Tensor:
@@ -146,6 +149,10 @@ class MegatronEngine:
         with open(os.path.join(ec.model_path, "config.json"), encoding="utf-8") as fh:
             self.hf_config = json.load(fh)
         self.use_te = te_available() if ec.use_te is None else ec.use_te
+        on_gpu = cuda_usable()
+        check_attention_path(self.arch, ec.max_tokens_per_micro_batch, ec.tp, on_gpu=on_gpu, use_te=self.use_te)
+        if on_gpu and not self.use_te and ec.use_te is None:  # said once, in the rank's log
+            log.warning("Transformer Engine %s: the local (torch) layer spec is used", te_status()[1])
         config = transformer_config(self.arch, tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel,
                                     dtype=ec.dtype, recompute=ec.recompute)
         config.variable_seq_lengths = ec.pp > 1  # packed micro-batches differ in length

@@ -36,8 +36,19 @@ from realscale.parallel.model_spec import ModelSpec
 from realscale.planner.hardware import GPU, Efficiency
 
 GB = 1e9
-HBM_RESERVE = 0.92          # fraction of HBM usable (allocator fragmentation, CUDA context)
+# What a GPU's HBM holds besides the model's own tensors, counted term by term:
+CUDA_CONTEXT_GB = 1.0       # CUDA context + cuBLAS/cuDNN workspaces of one process (~0.5 GB measured for torch's context alone on H100)
+NCCL_BUFFERS_GB = 1.25      # NCCL_BUFFSIZE 4 MiB x 2 x up to 32 channels per communicator: tp, dp, pp, embedding, weight update
+FRAGMENTATION = 0.05        # the caching allocator's blocks it cannot reuse, as a share of what the model allocates
+MARGIN_GB = 2.0             # stated safety margin for what the terms above miss (kernels' scratch, NCCL's own allocations)
 GEN_ACT_RESERVE_GB = 2.0    # generation activations / CUDA graphs outside the KV cache
+
+
+def usable_bytes(hbm_gb: float) -> float:
+    """Bytes the model's tensors may take on a GPU of ``hbm_gb``: what is left after the
+    CUDA context, NCCL's buffers and the margin, less the allocator's fragmentation on
+    what the model allocates. H100 80 GB: 72.1 GB."""
+    return (hbm_gb - CUDA_CONTEXT_GB - NCCL_BUFFERS_GB - MARGIN_GB) * GB / (1 + FRAGMENTATION)
 
 
 @dataclass(frozen=True)
@@ -147,7 +158,7 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     stage_params = spec.n_params / s.pp / s.tp
     dp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp, s.dp, gpus_per_node) else gpu.nvlink_gbps
     dp_comm = w.minibatches * _ring(stage_params * 4, s.dp, dp_bw, eff)
-    usable = gpu.hbm_gb * GB * HBM_RESERVE
+    usable = usable_bytes(gpu.hbm_gb)
     recompute = "none"
     mem = train_memory_bytes(spec, s, w, "none")
     if mem > usable:
@@ -222,7 +233,7 @@ def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     weights = spec.n_params / s.pp / s.tp * spec.itemsize
     mem = weights + 4 * spec.hidden * 2 * w.train_mb_tokens * spec.itemsize / s.tp \
         + 4.0 * 2 * w.train_mb_tokens * spec.vocab / s.tp
-    if mem > gpu.hbm_gb * GB * HBM_RESERVE:
+    if mem > usable_bytes(gpu.hbm_gb):
         return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
     return RoleCost(compute + tp_comm + pp_comm, mem / GB)
 
@@ -272,7 +283,7 @@ def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Effi
         raise LayoutError(f"generation shards by dp x tp only (SGLang servers); pp={s.pp} is refused")
     weights = spec.n_params * spec.itemsize / s.tp
     kv_tok = kv_bytes_per_token(spec, s.tp)
-    free = gpu.hbm_gb * GB * HBM_RESERVE - weights - GEN_ACT_RESERVE_GB * GB
+    free = usable_bytes(gpu.hbm_gb) - weights - GEN_ACT_RESERVE_GB * GB
     ctx_full = w.prompt_len + (w.mean_gen if asynchronous else w.gen_len)
     max_batch = math.floor(free / (kv_tok * ctx_full)) if free > 0 else 0
     if max_batch < 1:

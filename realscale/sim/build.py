@@ -82,7 +82,7 @@ def server_model(spec: ModelSpec, hw: HardwareProfile, tp: int, prompt_len: int,
     gpu, eff = hw.gpu, hw.eff
     kv_tokens = math.inf
     if kv_budget:
-        free = gpu.hbm_gb * C.GB * C.HBM_RESERVE - spec.n_params * spec.itemsize / tp - C.GEN_ACT_RESERVE_GB * C.GB
+        free = C.usable_bytes(gpu.hbm_gb) - spec.n_params * spec.itemsize / tp - C.GEN_ACT_RESERVE_GB * C.GB
         if free <= 0:
             raise SimError(f"{spec.n_params / 1e9:.1f}B parameters at tp{tp} leave no KV cache on a {gpu.name}")
         kv_tokens = free / C.kv_bytes_per_token(spec, tp)

@@ -59,7 +59,7 @@ def engine_memory_gb(recipe: str, plan_path: str, overrides: tuple[str, ...] = (
     w = C.Workload(**{**w.__dict__, "sequence_parallel": ec.sequence_parallel,
                       "logprob_chunk_tokens": ec.logprob_chunk_tokens,
                       "train_mb_tokens": ec.max_tokens_per_micro_batch})
-    usable = get_gpu(cfg.launch.gpu).hbm_gb * C.HBM_RESERVE
+    usable = C.usable_bytes(get_gpu(cfg.launch.gpu).hbm_gb) / C.GB
     return C.train_memory_bytes(spec, s, w, ec.recompute) / C.GB, usable, ec.recompute
 
 

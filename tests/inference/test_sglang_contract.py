@@ -80,13 +80,18 @@ def _wait_for(url: str, counter: str, timeout: float = 30.0) -> None:
 
 # ---------------------------------------------------------------- the pin
 
-def test_gpu_extra_pins_the_supported_range() -> None:
-    """setup.py's gpu extra installs exactly the range the launcher accepts."""
+def test_gpu_constraints_pin_the_supported_version() -> None:
+    """constraints/gpu-sglang.txt installs exactly the pinned SGLang, inside the range the
+    launcher accepts; setup.py's gpu extra does not pull SGLang in (it pins its own torch)."""
+    from realscale.commands.info import CONSTRAINTS, constraints
+
+    pins = [str(r) for r in constraints(os.path.join(CONSTRAINTS, "gpu-sglang.txt")) if r.name == "sglang"]
+    assert pins == [f"sglang=={ref.PINNED}"]
+    assert ref.PINNED in __import__("packaging.specifiers").specifiers.SpecifierSet(ref.SUPPORTED)
     setup = os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")
     reqs = [c.value for c in ast.walk(ast.parse(open(setup, encoding="utf-8").read()))
-            if isinstance(c, ast.Constant) and isinstance(c.value, str) and re.match(r"^sglang\b", c.value)]
-    assert reqs == [f"sglang{ref.SUPPORTED}"]
-    assert ref.PINNED in __import__("packaging.specifiers").specifiers.SpecifierSet(ref.SUPPORTED)
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and re.match(r"^(sglang|flash-attn)\b", c.value)]
+    assert reqs == []
 
 
 @needs_source

@@ -21,6 +21,7 @@ model under the hardware profile (realscale/planner/hardware.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured:FILE[:METHOD]")
     parser.add_argument("--timeline", action="store_true", help="print every step")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--rollout-processes", type=int, default=1,
+                        help="rollout processes taking in the answers (GPU recipes; realscale/rollout/sharded.py): "
+                             "each costs the measured CPU per answer and per token (realscale/sim/build.py "
+                             "MEASURED_ROLLOUT); a run that loads one past 0.5 is flagged")
 
 
 def _profile(args: argparse.Namespace, cfg) -> object:  # noqa: ANN001 - Config
@@ -113,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         lengths = parse_lengths(args.lengths, cfg) if args.lengths else None
         sc = scenario_from_config(cfg, hw, plan=plan, lengths=lengths, accept=args.accept)
         sc.weight_link, sc.batch_link = weight_cost(args.weight_sync), batch_cost(args.batch_path, hw)
+        if args.rollout_processes < 1:
+            raise UsageError(f"--rollout-processes must be >= 1, got {args.rollout_processes}")
+        sc.rollout = dataclasses.replace(sc.rollout, processes=args.rollout_processes)
         eta = sc.eta if args.eta < 0 else args.eta
         results = {f"eta={eta}": sc.run(args.steps, args.warmup, args.seed, eta=eta),
                    "eta=0": sc.run(args.steps, args.warmup, args.seed, eta=0)}
@@ -123,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
             "model_params": sc.spec.n_params, "lengths": sc.workload.lengths.describe(),
             "weight_sync": sc.weight_link.describe() if sc.weight_link else
             "the resharder's plan at the profile's link bandwidth x eff.link, + eff.weight_update_overhead_s",
-            "batch_path": sc.batch_link.describe()}
+            "batch_path": sc.batch_link.describe(),
+            "rollout": (f"{sc.rollout.processes} process(es), {sc.rollout.per_token_s * 1e6:.2f} us CPU a token + "
+                        f"{sc.rollout.per_answer_s * 1e3:.2f} ms an answer ({sc.rollout.source})"
+                        if sc.hw.gpu.host_cores <= 0 else "shares the host's cores (gpu.host_cores)")}
     if args.json:
         out = {**head, "runs": {k: {**r.summary(), **({"timeline": [t.__dict__ for t in r.timeline]}
                                                        if args.timeline else {})} for k, r in results.items()}}
@@ -139,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
               f"{r.weight_sync_s:>7.2f}")
     a, s = results.values()
     print(f"async / sync effective throughput: {a.tokens_per_s / s.tokens_per_s:.2f}x (simulated)")
+    for name, r in results.items():
+        if r.rollout_load > 0.5:
+            print(f"rollout side ({name}): the busiest rollout process is loaded {r.rollout_load:.2f} "
+                  f"(less than 2x headroom): raise --rollout-processes (rollout/sharded.py)")
     if args.timeline:
         for name, r in results.items():
             print(f"--- {name}: step, batch ready (s), train end, sync end, waited (s), trained tokens, max lag")

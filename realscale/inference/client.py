@@ -56,6 +56,11 @@ class NoServerError(RuntimeError):
     """Every server is out of rotation."""
 
 
+class ServerLost(RuntimeError):
+    """A weight transfer failed because servers of its group went away mid-way (they are
+    retired now); the survivors took part of it: send the whole update again to them."""
+
+
 CONTROL_TIMEOUT_S = 600.0  # pause / resume / weight loads / health: not generation
 ABORT_GRACE_S = 60.0  # how long a server that was told to abort a request may take to answer it
 WATCH_S = 5.0  # how often a running generation re-checks its limit (the limit moves as rates are measured)
@@ -556,6 +561,17 @@ class InferenceClient:
             except ServerError:
                 pass  # never joined it, or gone
 
+    async def retire_dead(self, urls: list[str]) -> list[str]:
+        """After a failed weight transfer: which of these servers are gone (their liveness
+        path refuses or errs); they are retired. A live one, slow or not, stays."""
+        servers = [s for s in self.servers if s.url in set(urls) and not s.retired]
+        alive = await asyncio.gather(*(self._alive(s) for s in servers))
+        dead = [s for s, ok in zip(servers, alive) if not ok]
+        for s in dead:
+            log.warning("server %s went away during a weight transfer; retired", s.url)
+            s.retired, s.healthy = True, False
+        return [s.url for s in dead]
+
     async def _post_all(self, targets: list[_Server], path: str, body: dict[str, Any]) -> list[Any]:
         return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))
 
@@ -575,11 +591,17 @@ class InferenceClient:
         await self._post_all(targets, "/begin_weight_update", {})
         try:
             sent = await self._send_buckets(sender, targets, buckets, weight_version, flush_cache)
-        except BaseException:
+        except BaseException as failure:
+            gone = await self.retire_dead([s.url for s in targets]) if isinstance(failure, Exception) else []
+            alive = [s for s in targets if s.url not in gone]
             try:
-                await self._post_all(targets, "/end_weight_update", {})
+                await self._post_all(alive, "/end_weight_update", {})
             except Exception as exc:  # noqa: BLE001 - the first failure is the one to report
                 log.warning("end_weight_update after a failed update: %r", exc)
+            if len(alive) < len(targets):
+                raise ServerLost(f"weight update to {[s.url for s in targets]}: "
+                                 f"{sorted({s.url for s in targets} - {s.url for s in alive})} went away mid-way "
+                                 f"({failure!r})") from failure
             raise
         await self._post_all(targets, "/end_weight_update", {})
         return sent
@@ -603,7 +625,13 @@ class InferenceClient:
             if following is None and weight_version is not None:
                 body["weight_version"] = str(weight_version)
             posts = [self._request(s, "POST", "/update_weights_from_distributed", body) for s in targets]
-            results = await asyncio.gather(loop.run_in_executor(None, sender.broadcast_bucket, bucket), *posts)
+            # every part ends (or fails) before this returns: no broadcast left running on a
+            # group that a resend will rebuild
+            results = await asyncio.gather(loop.run_in_executor(None, sender.broadcast_bucket, bucket), *posts,
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
             sent += results[0]
             bucket = following
         return sent

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from realscale.inference.client import ServerLost
 from realscale.inference.weight_sync import WeightSender
 from realscale.parallel.net import advertise_host, free_port
 from realscale.publish.control import ServerControl
-from realscale.publish.transport import SyncStats, WeightTransport, flush_after_update, sum_over_ranks
+from realscale.publish.transport import (RESENDS, SyncStats, WeightTransport, any_over_ranks, flush_after_update,
+                                        sum_over_ranks)
 
 if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
@@ -43,19 +45,41 @@ class BroadcastTransport(WeightTransport):
         control.run(lambda c: c.init_weights_update_group(self.sender, ranks))
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
-        buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
+        """The update; sent again (to the survivors, in a rebuilt group) when servers die
+        during it (:data:`~realscale.publish.transport.RESENDS`): every trainer rank learns
+        whether rank 0 lost servers, and all export again together."""
+        for attempt in range(RESENDS + 1):
+            sent, lost = self._send_once(engine, version, control, last=attempt == RESENDS)
+            if not any_over_ranks(lost):
+                break
         if control is None:
-            for _ in buckets:  # take part in the gathers; only rank 0 sends
-                pass
             sum_over_ranks([0, 0])
             return SyncStats()
-        sent = control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
-                                                      flush_cache=self.flush_cache))
         receivers = sum(s.ranks for s in control.servers)
         # every server rank receives every tensor whole; the least a server as a whole
         # needs is one full copy (its ranks could split it)
         delivered, bound = sum_over_ranks([sent * receivers, engine.hf_weight_bytes() * len(control.servers)])
         return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def _send_once(self, engine: "MegatronEngine", version: int, control: ServerControl | None,
+                   last: bool) -> tuple[int, bool]:
+        """(bytes sent, whether servers went away mid-way). Rank 0 then still drains the
+        export, whose gathers the other ranks run in step."""
+        buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
+        if control is None:
+            for _ in buckets:  # take part in the gathers; only rank 0 sends
+                pass
+            return 0, False
+        try:
+            return control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
+                                                          flush_cache=self.flush_cache)), False
+        except ServerLost as exc:
+            if last:
+                raise
+            log.warning("%s; sending the update again to the others", exc)
+            for _ in buckets:
+                pass
+            return 0, True
 
     def close(self) -> None:
         """Servers leave the group first (SGLang keeps a group until told and refuses its

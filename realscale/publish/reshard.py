@@ -3,6 +3,7 @@ Megatron-layout shard, straight from the trainer ranks that hold it."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -12,11 +13,17 @@ from realscale.parallel.device import comm_empty
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.parallel.net import advertise_host
 from realscale.publish.control import ServerControl
-from realscale.publish.transport import SyncStats, WeightTransport
+from realscale.publish.transport import RESENDS, SyncStats, WeightTransport, any_over_ranks
 from realscale.publish.weight_world import WorldMember, WorldSpec, host_store, pack_megatron, spec_digest
 
 if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
+
+log = logging.getLogger(__name__)
+
+
+class _Lost(RuntimeError):
+    """Servers went away during a send: try again in a world without them."""
 
 
 class ReshardTransport(WeightTransport):
@@ -54,6 +61,18 @@ class ReshardTransport(WeightTransport):
         check_megatron_order(engine)
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
+        """One update; sent again in a rebuilt world when servers die during it
+        (:data:`~realscale.publish.transport.RESENDS`: every trainer rank learns whether a
+        send failed anywhere, rank 0 retires the servers that are gone, all rebuild)."""
+        for attempt in range(RESENDS + 1):
+            try:
+                return self._send_once(engine, version, control)
+            except _Lost as lost:
+                if attempt == RESENDS:
+                    raise RuntimeError(f"weight update: servers kept failing mid-transfer ({lost})") from lost
+        raise AssertionError("not reached")
+
+    def _send_once(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         world = self._agree_on_world(engine, control)
         if world is not None:
             self._join(world, control)
@@ -64,14 +83,44 @@ class ReshardTransport(WeightTransport):
             body = {"name": self.member.world.name, "weight_version": str(version)}
             pending = control.submit(lambda c: c.post_each("/realscale/update_weights_reshard",
                                                            {u: body for u in self.members}))
-        self.sent_bytes = self.member.send(self.src_buf).send_bytes
+        failure: BaseException | None = None
+        try:
+            self.sent_bytes = self.member.send(self.src_buf).send_bytes
+        except RuntimeError as exc:  # a peer of the world went away (gloo: "Connection closed by peer")
+            failure = exc
+        replies = None
+        if pending is not None:
+            try:
+                replies = pending.result(timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - judged below: a server gone, or a real error
+                failure = failure or exc
+        self._after_failure(failure, control)
         if pending is None:
             return SyncStats()
-        replies = pending.result(timeout=self.timeout_s)
         self.received = {u: list(r["recv_bytes"]) for u, r in replies.items()}
         delivered = sum(sum(r) for r in self.received.values())
         return SyncStats(bytes=delivered, lower_bound=self.member.lower_bound_bytes(),
                          extra={"perf/weight_sync_rebuilds": float(self.rebuilds)})
+
+    def _after_failure(self, failure: BaseException | None, control: ServerControl | None) -> None:
+        """Every rank learns whether a send failed anywhere. Then rank 0 retires the servers
+        that are gone; if none is, the failure is a real error (raised on rank 0; the others
+        stop with the run). Else all leave this world (rebuilt at the next try)."""
+        if not any_over_ranks(failure is not None):
+            return
+        gone: list[str] = []
+        if control is not None:
+            gone = control.run(lambda c: c.retire_dead(list(self.members)))
+        if not any_over_ranks(bool(gone)):  # no server is gone: a real error, on every rank
+            if failure is not None:
+                raise failure
+            raise RuntimeError("weight update failed on another trainer rank (its log says why)")
+        log.warning("weight world %s: servers %s went away mid-transfer; sending again to the others",
+                    self.member.world.name, gone or "(rank 0 knows)")
+        self.member.close()
+        self.member, self.members = None, []
+        self.rebuilds += 1
+        raise _Lost(gone)
 
     def _agree_on_world(self, engine: "MegatronEngine", control: ServerControl | None) -> Any:
         """Rank 0 decides whether the servers of the world changed (first step, or a server

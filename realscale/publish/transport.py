@@ -63,6 +63,17 @@ def sum_over_ranks(values: list[int]) -> list[int]:
     return [int(x) for x in t.cpu().tolist()]
 
 
+# Sends of one update after servers went away mid-way (each time to the survivors, in a
+# group or world rebuilt without the dead): a death during a transfer costs a resend, not
+# the run. A failure that kills no server is raised at once.
+RESENDS = 2
+
+
+def any_over_ranks(flag: bool) -> bool:
+    """Whether ``flag`` holds on some trainer rank (every rank learns the same answer)."""
+    return sum_over_ranks([int(flag)])[0] > 0
+
+
 def flush_after_update(pause_mode: str) -> bool:
     """Whether a weight update asks the servers to flush their cache. After an ``abort``
     pause nothing holds KV and the prefix cache of the old weights must go. After

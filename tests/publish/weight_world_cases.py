@@ -96,3 +96,63 @@ def trainer_into_servers(model_dir: str, layouts: list[str], servers: dict[str, 
             if control is not None:
                 control.close()
     return out
+
+
+def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, int]], victim_pgid: int) -> dict | None:
+    """Two trainer ranks (tp2) push version 1 into both servers with the ``kind`` transport
+    (``reshard``: the weight world; ``broadcast``: SGLang's weight group), then version 2,
+    during which rank 0 SIGKILLs the second server — right before the world's send, or
+    after the first bucket of the broadcast. The update must complete on the survivor
+    (sent again in a group without the dead one); rank 0 returns what the survivor holds
+    against the trainer's weights, and which servers were retired."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from realscale.parallel.model_spec import spec_from_hf_config
+    from realscale.publish.broadcast import BroadcastTransport
+    from realscale.publish.control import ClientControl, ServerEndpoint
+    from realscale.publish.reshard import ReshardTransport
+    from realscale.publish.weight_world import WorldSpec
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    engine = MegatronEngine(EngineConfig(model_dir, tp=2, lr=None))
+    rank0 = dist.get_rank() == 0
+    control = ClientControl([ServerEndpoint(u, r) for u, r in endpoints]) if rank0 else None
+    transport = ReshardTransport("gloo", timeout_s=120) if kind == "reshard" else BroadcastTransport("gloo", 1 << 16)
+    transport.connect(engine, control)
+    transport.send(engine, 1, control)
+    perturb(engine, 1)
+
+    def kill() -> None:
+        os.killpg(victim_pgid, signal.SIGKILL)
+        time.sleep(1.0)  # the kernel has closed its sockets
+
+    if rank0 and kind == "reshard":
+        member, send = transport.member, transport.member.send
+        member.send = lambda buf: (kill(), send(buf))[1]  # after the world was agreed and joined
+    elif rank0:
+        export = engine.export_hf_weights
+
+        def export_then_kill(**kw: Any) -> Any:
+            engine.export_hf_weights = export  # the resend exports untouched
+            for i, bucket in enumerate(export(**kw)):
+                if i == 1:
+                    kill()
+                yield bucket
+        engine.export_hf_weights = export_then_kill
+    transport.send(engine, 2, control)
+    spec = spec_from_hf_config(engine.hf_config, itemsize=4)
+    survivor = endpoints[:1]
+    world = WorldSpec("127.0.0.1", 1, "check", "gloo", "d1t2p1", [r for _, r in survivor])
+    held = server_check(engine, spec, world, survivor)
+    out = None
+    if rank0:
+        out = {"held": held, "retired": [s.url for s in control.client.servers if s.retired]}
+        transport.close()
+        control.close()
+    else:
+        transport.close()
+    return out

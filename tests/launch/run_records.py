@@ -4,7 +4,11 @@ shared by the one-node and the multi-node Slurm job tests."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+import urllib.request
 from pathlib import Path
+from typing import Callable
 
 
 def trained_steps(run: Path) -> list[int]:
@@ -36,3 +40,33 @@ def hf_hashes(model_dir: Path) -> dict[str, str]:
     w = RankWeights.allocate(read_hf_config(str(model_dir)), 1, 0, torch.float32, torch.device("cpu"))
     w.load_dir(str(model_dir))
     return w.hashes()
+
+
+class HashWatch:
+    """Polls a server's ``/realscale/weight_hashes`` while a run goes on, keeping its rank 0
+    hashes per weight version; ``find_url`` says which server (None: not known yet). A
+    run's servers stop with it, so what they held is read while they live."""
+
+    def __init__(self, find_url: Callable[[], str | None]) -> None:
+        self.find_url, self.seen, self.stop = find_url, {}, threading.Event()
+        self.url: str | None = None
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.url is None:
+                    self.url = self.find_url()
+                if self.url is not None:
+                    with urllib.request.urlopen(self.url + "/realscale/weight_hashes", timeout=10) as resp:
+                        got = json.loads(resp.read())
+                    self.seen[got["weight_version"]] = got["ranks"][0]
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+
+    def close(self) -> dict[str, dict[str, str]]:
+        self.stop.set()
+        self.thread.join(timeout=15)
+        return self.seen

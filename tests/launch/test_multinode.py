@@ -27,14 +27,12 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from run_records import assert_each_prompt_trained_once, hf_hashes, trained_steps
+from run_records import HashWatch, assert_each_prompt_trained_once, hf_hashes, trained_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(420)]  # each test; the module: ~8 min
 
@@ -154,34 +152,10 @@ def _finished(out: Path, job: str, steps: int, timeout: float = 300) -> Path:
     return run
 
 
-class HashWatch:
-    """Polls the run's generation server for its weight hashes per version while the job
-    runs (the server is reachable from here: rs-host is the bridge's end)."""
-
-    def __init__(self, run: Path) -> None:
-        self.run, self.seen, self.stop = run, {}, threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self) -> None:
-        url = None
-        while not self.stop.is_set():
-            try:
-                if url is None:
-                    found = sorted((self.run / "launch" / "servers").glob("*/0.url"))
-                    url = found[-1].read_text().strip() if found else None
-                if url is not None:
-                    with urllib.request.urlopen(url + "/realscale/weight_hashes", timeout=10) as resp:
-                        got = json.loads(resp.read())
-                    self.seen[got["weight_version"]] = got["ranks"][0]
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.2)
-
-    def close(self) -> dict[str, dict[str, str]]:
-        self.stop.set()
-        self.thread.join(timeout=15)
-        return self.seen
+def _first_server(run: Path) -> str | None:
+    """The run's server 0 (the server step writes its URL file once bound)."""
+    found = sorted((run / "launch" / "servers").glob("*/0.url"))
+    return found[-1].read_text().strip() if found else None
 
 
 # ----------------------------------------------------------------------------- (a)
@@ -208,7 +182,7 @@ def test_disaggregated_server_and_trainer_on_different_nodes(script: str, tmp_pa
 def test_data_parallel_ranks_across_nodes(script: str, tmp_path: Path) -> None:
     steps = 4
     job = _submit(script, tmp_path, f"run.total_steps={steps}", "run.checkpoint_every=100")
-    watch = HashWatch(tmp_path / "ppo_tiny")
+    watch = HashWatch(lambda: _first_server(tmp_path / "ppo_tiny"))
     try:
         run = _finished(tmp_path, job, steps)
     finally:

@@ -18,13 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from run_records import hf_hashes, trained_steps
+from run_records import HashWatch, hf_hashes, trained_steps
 
 from test_train_resume import ARGS
 
@@ -37,36 +35,10 @@ def _servers_of(pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if " serve " in line]
 
 
-class RestartWatch:
-    """Follows the roster; once a restarted server is listed, records its weight hashes
-    per version (it is stopped with the run, so they are read while it lives)."""
-
-    def __init__(self, run: Path) -> None:
-        self.roster = run / "launch" / "servers" / "roster.json"
-        self.seen: dict[str, dict[str, str]] = {}
-        self.url: str | None = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self) -> None:
-        while not self.stop.is_set():
-            try:
-                if self.url is None:
-                    entries = json.loads(self.roster.read_text())["servers"]
-                    self.url = next((e["url"] for e in entries if e["restarts"] > 0), None)
-                if self.url is not None:
-                    with urllib.request.urlopen(self.url + "/realscale/weight_hashes", timeout=10) as resp:
-                        got = json.loads(resp.read())
-                    self.seen[got["weight_version"]] = got["ranks"][0]
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.2)
-
-    def close(self) -> dict[str, dict[str, str]]:
-        self.stop.set()
-        self.thread.join(timeout=15)
-        return self.seen
+def _restarted_server(run: Path) -> str | None:
+    """The URL of the first server the launcher started again (from the run's roster)."""
+    entries = json.loads((run / "launch" / "servers" / "roster.json").read_text())["servers"]
+    return next((e["url"] for e in entries if e["restarts"] > 0), None)
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
@@ -78,7 +50,7 @@ def test_failed_server_restarts_and_rejoins(tmp_path: Path, fault: str) -> None:
                                                                         "generate.control_timeout_s=5"]
     cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    watch = RestartWatch(run)
+    watch = HashWatch(lambda: _restarted_server(run))
     try:
         deadline = time.monotonic() + 400
         while len(trained_steps(run)) < 2:
@@ -97,7 +69,7 @@ def test_failed_server_restarts_and_rejoins(tmp_path: Path, fault: str) -> None:
     assert proc.returncode == 0, text[-3000:]
     assert "starting it again (1 of launch.server_restarts=3)" in text, text[-3000:]
     why = "exited with code -9" if fault == "SIGKILL" else "was retired by the trainer"
-    assert f"generation server 1 (http://127.0.0.1:" in text and why in text, text[-3000:]
+    assert "generation server 1 (http://127.0.0.1:" in text and why in text, text[-3000:]
     assert trained_steps(run) == list(range(1, total + 1))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in metrics if "train/loss" in m]

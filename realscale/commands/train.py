@@ -83,6 +83,24 @@ def _check_attention(cfg: "Config") -> None:
                          on_gpu=True, use_te=te_available())
 
 
+def _check_code_sandbox(cfg: "Config") -> None:
+    """A code recipe whose sandbox cannot run here would score every answer 0 for the whole
+    run (reason ``sandbox``), training on zero advantages: refuse it now instead. The
+    probe runs where the supervisor runs; under Slurm that is the batch step, as the job's
+    user, like the reward workers on rank 0's node."""
+    from realscale.reward.sandbox import Sandbox, SandboxRefused
+
+    r = cfg.reward
+    if r.kind != "code":
+        return
+    try:
+        Sandbox(r.code_python or None, uid_base=r.code_uid_base).layers_for(r.code_sandbox_allow_weaker)
+    except SandboxRefused as exc:
+        raise UserError(f"reward.kind=code: {exc}; every answer would score 0. Run the job where the sandbox "
+                        "works (it needs root for its uid, mount, pid, network and cgroup layers: e.g. a container "
+                        "started as root), or accept a weaker one with reward.code_sandbox_allow_weaker=true") from None
+
+
 def preflight(cfg: "Config") -> None:
     """Refuse a run that cannot start here, with one line (a :class:`UserError`)."""
     if cfg.model.path == "sft":
@@ -96,6 +114,7 @@ def preflight(cfg: "Config") -> None:
         raise UserError(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     _check_data(cfg.data.source)
     _check_hardware(cfg)
+    _check_code_sandbox(cfg)
     if cfg.generate.backend == "sglang":
         from realscale.inference.sglang_launcher import check_sglang_version
 

@@ -59,11 +59,13 @@ class RunLayout:
                 f"train {self.train} ({self.train.world} GPUs)")
 
 
-# One rollout process's CPU per answer and per generated token (client, workflow, math reward
-# dispatch; saturated, 36 load servers x 256 slots, lognormal and long-tail answers):
-# `python benchmarks/bench_rollout_tier.py` on the 2-core CI machine, benchmarks/results/rollout_tier.json
-# ("costs"). A cluster host's core may be faster; the rollout side scales out by processes.
-MEASURED_ROLLOUT = RolloutModel(per_token_s=4.07e-6, per_answer_s=0.0, processes=1,
+# One rollout process's CPU per generated token, all in (client, workflow, math reward dispatch,
+# the abort pause's resubmissions): 36 load servers x 256 slots, 9,216 requests in flight,
+# lognormal answers (median 6,445), the process saturated: `python benchmarks/bench_rollout_tier.py`
+# on the 2-core CI machine (load 1.3-1.8), benchmarks/results/rollout_tier.json ("derived"). The
+# split per answer / per token over two length laws came out negative (noise), so none is charged
+# per answer. A cluster host's core may be faster; the rollout side scales out by processes.
+MEASURED_ROLLOUT = RolloutModel(per_token_s=7.88e-6, per_answer_s=0.0, processes=1,
                                 source="measured: python benchmarks/bench_rollout_tier.py "
                                        "(benchmarks/results/rollout_tier.json)")
 # SGLang 0.5.23's abort pause polls every 1 s until the aborted requests are answered

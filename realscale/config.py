@@ -228,9 +228,11 @@ class RolloutConfig:
     max_consecutive_failures: int = knob(8, "Failed episodes in a row (servers unreachable) before the trainer gets an error.")
     controller_process: bool = knob(True, "Run the controller (HTTP client, workflow, rewards, batch packing) in its own "
                                           "process, so trainer rank 0 computes like the others; false: on a thread of rank 0.")
+    processes: int = knob(1, "Rollout processes (realscale/rollout/sharded.py): each owns a share of the generation servers, of the prompts and of every batch, under one staleness rule. One process ingests about 0.13M generated tokens/s (BENCHMARKS.md, 'The rollout tier'): more for large clusters of small models.")
 
     def __post_init__(self) -> None:
         _positive("rollout", "batch_size", self.batch_size)
+        _positive("rollout", "processes", self.processes)
         _positive("rollout", "n_samples", self.n_samples)
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("rollout", "max_concurrent", self.max_concurrent)
@@ -478,6 +480,14 @@ class Config:
             raise ConfigError(f"rollout.workflow: the multi-turn warm start (model.path: sft) demonstrates the "
                               f"calculator on data.source: task:arith, not {self.data.source!r}; use that source "
                               "or a model.path of your own")
+        k = self.rollout.processes
+        if k > 1 and (self.parallel.mode == "colocated" or not self.rollout.controller_process
+                      or self.generate.num_servers < k or self.rollout.batch_size < k):
+            raise ConfigError(f"rollout.processes={k}: each rollout process needs servers of its own and a share of "
+                              f"every batch (disaggregated mode, rollout.controller_process=true, generate.num_servers "
+                              f">= {k}, rollout.batch_size >= {k}; here {self.parallel.mode}, "
+                              f"{self.rollout.controller_process}, {self.generate.num_servers}, "
+                              f"{self.rollout.batch_size})")
         if self.model.ref_path and not self.algo.kl_coef:
             raise ConfigError(f"model.ref_path: {self.model.ref_path!r} is set but algo.kl_coef is 0, so no reference "
                               "policy is loaded; set algo.kl_coef > 0 or leave model.ref_path empty")

@@ -51,6 +51,7 @@ from realscale.publish.control import ServerControl, ServerEndpoint
 from realscale.publish.publisher import Publisher, WeightPublisher, transport_for
 from realscale.rollout.controller import client_factory
 from realscale.rollout.process import start_rollouts
+from realscale.rollout.sharded import start_sharded
 from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
@@ -62,7 +63,10 @@ from realscale.train.reference import reference_for
 
 if TYPE_CHECKING:
     from realscale.metrics import MetricsLogger
-    from realscale.rollout.process import Rollouts
+    from realscale.rollout.process import Rollouts as OneProcess
+    from realscale.rollout.sharded import ShardedRollouts
+
+    Rollouts = OneProcess | ShardedRollouts
 
 
 class Trainer:
@@ -109,7 +113,8 @@ class Trainer:
 
         if self.resumed_from:
             truncate_logs(self.out_dir, self.step)
-        controller = start_rollouts(self.cfg, model_dir, server_urls, self.out_dir, extra.get("controller"))
+        start = start_sharded if self.cfg.rollout.processes > 1 else start_rollouts  # the rollout tier, scaled out
+        controller = start(self.cfg, model_dir, server_urls, self.out_dir, extra.get("controller"))
         run = self.cfg.run
         logger = MetricsLogger(self.out_dir, run.total_steps, tensorboard=run.tensorboard, wandb=run.wandb,
                                wandb_mode=run.wandb_mode, start_step=self.step)

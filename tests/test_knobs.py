@@ -103,6 +103,7 @@ CONSUMERS: dict[str, str] = {
     "rollout.reward_timeout": "realscale.rollout.workflows:workflow_from_config",
     "rollout.max_consecutive_failures": "realscale.rollout.controller:RolloutController.from_config",
     "rollout.controller_process": "realscale.rollout.process:start_rollouts",
+    "rollout.processes": "realscale.rollout.sharded:start_sharded",
     # generate
     "generate.backend": "realscale.launcher.roles:generation_server",
     "generate.num_servers": "realscale.launcher.local:LocalBackend.start_servers",

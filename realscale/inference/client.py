@@ -106,7 +106,7 @@ class _Server:
 class InferenceClient:
     """Talks to N generation servers (``http://host:port``)."""
 
-    def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 5.0,
+    def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 60.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
                  max_interruptions: int = 100, per_server: int = 0, dialect: Dialect | None = None,
                  timeout_slack: float = 4.0, control_timeout: float = CONTROL_TIMEOUT_S) -> None:
@@ -120,6 +120,9 @@ class InferenceClient:
         self.request_timeout = request_timeout if request_timeout > 0 else CONTROL_TIMEOUT_S
         # pause / resume / liveness: one slow server must not hold the cluster (module docstring)
         self.control_timeout = control_timeout
+        # The connect timer runs on this (busy) event loop: 9,216 connections opened at once
+        # put it 7-10 s behind, and a 5 s limit then retired every server of a 36-server
+        # fleet (BENCHMARKS.md, "The rollout tier"). A refused connection still fails at once.
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
         self.backoff = backoff

@@ -108,11 +108,12 @@ class LocalRollouts:
 
     @classmethod
     def build(cls, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-              state: dict[str, Any] | None = None) -> "LocalRollouts":
+              state: dict[str, Any] | None = None, shard: tuple[int, int] = (0, 1)) -> "LocalRollouts":
         """The run's controller (resumed from ``state``), started paused: generation waits
-        until the servers hold this run's weights."""
+        until the servers hold this run's weights. ``shard`` (i, k): the prompts of
+        rollout process i of k (realscale/rollout/sharded.py)."""
 
-        controller = build_controller(cfg, model_dir, server_urls, out_dir)
+        controller = build_controller(cfg, model_dir, server_urls, out_dir, rank=shard[0], world=shard[1])
         if state is not None:
             controller.load_state_dict(state)
         controller.pause()
@@ -173,12 +174,12 @@ class ControllerProcess:
     constructor returns once the child's controller is built and started (paused)."""
 
     def __init__(self, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-                 state: dict[str, Any] | None = None) -> None:
+                 state: dict[str, Any] | None = None, shard: tuple[int, int] = (0, 1)) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not daemonic: reward scoring may start processes of its own.
-        self._proc = ctx.Process(target=_serve, args=(child, asdict(cfg), model_dir, server_urls, out_dir, state),
-                                 name="rollout-controller")
+        self._proc = ctx.Process(target=_serve, args=(child, asdict(cfg), model_dir, server_urls, out_dir, state, shard),
+                                 name=f"rollout-controller{shard[0] if shard[1] > 1 else ''}")
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -269,7 +270,7 @@ def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_di
 
 
 def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str,
-           state: dict[str, Any] | None) -> None:
+           state: dict[str, Any] | None, shard: tuple[int, int]) -> None:
     """The child: build and start the controller, then answer rank 0 until stop or EOF."""
 
     die_with_parent()
@@ -278,7 +279,7 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
 
     try:
-        rollouts = LocalRollouts.build(config_from_dict(cfg_dict), model_dir, server_urls, out_dir, state)
+        rollouts = LocalRollouts.build(config_from_dict(cfg_dict), model_dir, server_urls, out_dir, state, shard)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         _send_error(conn, exc)
         return

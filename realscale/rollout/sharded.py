@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from realscale.rollout.process import RolloutBatch
+from realscale.rollout.factory import resolved_data_config
+from realscale.rollout.process import ControllerProcess, RolloutBatch
 from realscale.train.batch import PackedBatch
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def shard_config(cfg: "Config", k: int, i: int) -> "Config":
         raise ValueError(f"rollout shards: rollout.batch_size={r.batch_size} cannot give each of {k} shards a group")
     ahead = max(batch, split_evenly(r.max_ahead, k)[i]) if r.max_ahead else 0
     rollout = dataclasses.replace(r, batch_size=batch, max_concurrent=max(1, split_evenly(r.max_concurrent, k)[i]),
-                                  max_ahead=ahead)
+                                  max_ahead=ahead, processes=1)  # a shard is one rollout process
     return dataclasses.replace(cfg, rollout=rollout)
 
 
@@ -138,6 +139,14 @@ def join_controller_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The shards' controller counters as one controller's (sums; the busiest server's
     count as a maximum; the shards themselves under ``shards``)."""
     out: dict[str, Any] = {k: sum(s.get(k, 0) for s in stats) for k in _COUNTERS if any(k in s for s in stats)}
+    for key in ("rejected_by_reason", "failures_by_type", "staleness_hist", "submitted_by_version"):
+        merged: dict[Any, int] = {}
+        for s in stats:
+            for k, v in s.get(key, {}).items():
+                merged[k] = merged.get(k, 0) + v
+        out[key] = dict(sorted(merged.items()))
+    out["paused"] = any(s.get("paused", False) for s in stats)
+    out["exhausted"] = all(s.get("exhausted", False) for s in stats)
     out["inflight_server_max"] = max((s.get("inflight_server_max", 0) for s in stats), default=0)
     out["version"] = min(s.get("version", 0) for s in stats)
     out["shards"] = list(stats)
@@ -240,3 +249,26 @@ class ShardedRollouts:
             self._each(lambda s, i: s.stop())
         finally:
             self._pool.shutdown(wait=True)
+
+
+def start_sharded(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
+                  state: dict[str, Any] | None = None) -> ShardedRollouts:
+    """``rollout.processes`` rollout processes over the run's servers, started paused; a
+    ``task:`` data source is written out once here, not by every shard."""
+    k = cfg.rollout.processes
+    shards = (state or {}).get("shards") or [None] * k
+    if len(shards) != k:
+        raise ValueError(f"rollout.processes={k}, but the checkpoint holds the state of {len(shards)} rollout "
+                         "processes: resume with the same rollout.processes")
+    cfg = dataclasses.replace(cfg, data=resolved_data_config(cfg, out_dir))
+    servers = shard_servers(server_urls, k)
+    started: list[ControllerProcess] = []
+    try:
+        for i in range(k):
+            started.append(ControllerProcess(shard_config(cfg, k, i), model_dir, servers[i], out_dir, shards[i],
+                                             shard=(i, k)))
+    except BaseException:
+        for proc in started:
+            proc.stop()
+        raise
+    return ShardedRollouts(started, servers, cfg.rollout.batch_size)

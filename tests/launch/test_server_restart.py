@@ -80,3 +80,25 @@ def test_failed_server_restarts_and_rejoins(tmp_path: Path, fault: str) -> None:
     assert str(total) in seen, sorted(seen)
     want = hf_hashes(run / "final")
     assert seen[str(total)] == want, sorted(n for n in want if seen[str(total)].get(n) != want[n])
+
+
+def test_two_rollout_processes_train_every_prompt_once(tmp_path: Path) -> None:
+    """``rollout.processes=2`` (the rollout tier scaled out, realscale/rollout/sharded.py):
+    two rollout processes, a server each, one staleness rule; every step trains a batch
+    joined from both, no prompt twice, within the staleness bound."""
+    from run_records import assert_each_prompt_trained_once
+
+    total = 4
+    run = tmp_path / "r"
+    args = [a for a in ARGS if not a.startswith("run.total_steps")] + [f"run.total_steps={total}",
+                                                                        "generate.num_servers=2",
+                                                                        "rollout.processes=2"]
+    out = subprocess.run([sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r",
+                          *args], capture_output=True, text=True, timeout=800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert trained_steps(run) == list(range(1, total + 1))
+    assert_each_prompt_trained_once(run, total)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "train/loss" in m]
+    assert all(m["rollout/groups"] == 2 and m["rollout/servers_alive"] == 2 for m in logged), logged[-1]
+    assert all(m.get("staleness/max", 0) <= 1 for m in metrics)

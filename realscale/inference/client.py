@@ -627,15 +627,21 @@ class InferenceClient:
                                     "flush_cache": flush_cache and following is None}
             if following is None and weight_version is not None:
                 body["weight_version"] = str(weight_version)
-            posts = [self._request(s, "POST", "/update_weights_from_distributed", body) for s in targets]
+            posts = [asyncio.ensure_future(self._request(s, "POST", "/update_weights_from_distributed", body))
+                     for s in targets]
             # every part ends (or fails) before this returns: no broadcast left running on a
             # group that a resend will rebuild
-            results = await asyncio.gather(loop.run_in_executor(None, sender.broadcast_bucket, bucket), *posts,
-                                           return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
+            try:
+                sent += await loop.run_in_executor(None, sender.broadcast_bucket, bucket)
+            except Exception:
+                # A member went away mid-bucket. Drop the group now: the survivors' receives
+                # then fail at once ("connection closed") instead of at the group's timeout.
+                sender.close()
+                await asyncio.gather(*posts, return_exceptions=True)
+                raise
+            errors = [r for r in await asyncio.gather(*posts, return_exceptions=True) if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
-            sent += results[0]
             bucket = following
         return sent
 

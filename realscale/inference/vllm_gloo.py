@@ -144,6 +144,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.packed = init_info.packed
         self.buffer_bytes = init_info.packed_buffer_size_bytes
         rank = worker_rank(self.parallel_config, init_info.rank_offset)
+        # vLLM's NCCL engine replaces a group it holds (nccl_engine.py:142-157 in 0.32: the
+        # new one overwrites it); a named gloo group must be released first
+        _release(self)
         self.group = new_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                GROUP_NAME, BACKEND, init_info.timeout_s)
 

@@ -145,6 +145,13 @@ class VllmEngineTransport(WeightTransport):
         return SyncStats(bytes=delivered, lower_bound=bound)
 
     def close(self) -> None:
+        """The servers leave the weight group too (a next trainer on them starts clean),
+        then rank 0's engine shuts down."""
+        if self.client is not None and self.client.members:
+            try:
+                self.client.shutdown_weight_transfer_engine()
+            except Exception as exc:  # noqa: BLE001 - closing: a server may be gone already
+                logging.getLogger(__name__).warning("vLLM servers did not shut their weight transfer down: %r", exc)
         if self.trainer_engine is not None:
             self.trainer_engine.shutdown()
 

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlsplit
 
 from realscale.errors import LaunchError
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
@@ -297,7 +298,7 @@ class LocalBackend:
     def respawn_server(self, i: int) -> None:
         g, logs, dead = self.cfg.generate, os.path.join(self.out_dir, "logs"), self.servers[i]
         stop_servers([dead], grace=1.0)  # what is left of it (vLLM's engine core, SGLang's scheduler)
-        old_port = int(dead.url.rsplit(":", 1)[1])
+        old_port = urlsplit(dead.url).port or 0
         if g.backend == "embedded":
             self.servers[i] = spawn_embedded_server(self.model_dir, i, logs, host=g.host, seed=self.cfg.run.seed,
                                                     context_length=g.context_length, max_running=g.max_running_requests,

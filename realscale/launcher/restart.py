@@ -84,9 +84,5 @@ class ServerKeeper:
             self._publish()
         print(f"realscale: generation server {i} is back on {url}; it joins the next weight update", flush=True)
 
-    @property
-    def restarts(self) -> int:
-        return sum(s.restarts for s in self.slots)
-
     def _publish(self) -> None:
         write_roster(self.out_dir, [RosterEntry(i, s.url, s.restarts) for i, s in enumerate(self.slots)])

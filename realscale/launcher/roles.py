@@ -18,6 +18,7 @@ import socket
 import sys
 from dataclasses import replace
 from typing import Any, Callable, Mapping, MutableMapping
+from urllib.parse import urlsplit
 
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import check_engine, engine_command, rank_threads
@@ -147,8 +148,8 @@ def _previous_port(url_dir: str, index: int) -> int:
     else 0: clients tell servers apart by URL, so a restarted server takes a new one."""
     try:
         with open(os.path.join(url_dir, f"{index}.url"), encoding="utf-8") as fh:
-            return int(fh.read().strip().rsplit(":", 1)[1])
-    except (OSError, ValueError, IndexError):
+            return urlsplit(fh.read().strip()).port or 0
+    except (OSError, ValueError):
         return 0
 
 

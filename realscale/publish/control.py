@@ -87,9 +87,9 @@ class ServerControl:
         and endpoints of the transports' groups."""
         if self.roster is None:
             return
-        for entry in read_roster(self.roster):
-            if self.run(_adder(entry.url, self.ranks_per_server)):
-                self.servers.append(ServerEndpoint(entry.url.rstrip("/"), self.ranks_per_server))
+        urls = [entry.url for entry in read_roster(self.roster)]
+        for url in self.run(_adder(urls, self.ranks_per_server)):  # one call on the client's loop for all
+            self.servers.append(ServerEndpoint(url, self.ranks_per_server))
 
     def resume(self, version: int) -> None:
         retired = [s.url for s in self.client.servers if s.retired]
@@ -121,9 +121,10 @@ async def _await(fn: Coro, client: "InferenceClient") -> Any:
     return await fn(client)
 
 
-def _adder(url: str, ranks: int) -> Coro:
-    async def add(client: "InferenceClient") -> bool:  # on the client's loop, like every other call
-        return client.add_server(url, ranks, pending=True)
+def _adder(urls: list[str], ranks: int) -> Coro:
+    """Add the servers the client does not know yet, as pending; the URLs added."""
+    async def add(client: "InferenceClient") -> list[str]:  # on the client's loop, like every other call
+        return [u.rstrip("/") for u in urls if client.add_server(u, ranks, pending=True)]
     return add
 
 

@@ -87,7 +87,9 @@ def _check_code_sandbox(cfg: "Config") -> None:
     """A code recipe whose sandbox cannot run here would score every answer 0 for the whole
     run (reason ``sandbox``), training on zero advantages: refuse it now instead. The
     probe runs where the supervisor runs; under Slurm that is the batch step, as the job's
-    user, like the reward workers on rank 0's node."""
+    user, like the reward workers on rank 0's node. As root the sandbox uses its own uids
+    and cgroups; as a user, user namespaces (the probe really creates one, so a cluster
+    that forbids them is caught here, with the sysctl that does)."""
     from realscale.reward.sandbox import Sandbox, SandboxRefused
 
     r = cfg.reward
@@ -97,8 +99,8 @@ def _check_code_sandbox(cfg: "Config") -> None:
         Sandbox(r.code_python or None, uid_base=r.code_uid_base).layers_for(r.code_sandbox_allow_weaker)
     except SandboxRefused as exc:
         raise UserError(f"reward.kind=code: {exc}; every answer would score 0. Run the job where the sandbox "
-                        "works (it needs root for its uid, mount, pid, network and cgroup layers: e.g. a container "
-                        "started as root), or accept a weaker one with reward.code_sandbox_allow_weaker=true") from None
+                        "works (as root, or as a user where unprivileged user namespaces are allowed), or accept a "
+                        "weaker one with reward.code_sandbox_allow_weaker=true") from None
 
 
 def preflight(cfg: "Config") -> None:

@@ -19,6 +19,14 @@ One run, process by process (P is the trainer's reward thread):
                           └─ J   check form only: runs the dataset's test code as an
                                  unprivileged judge uid, calling the candidate over pipes
 
+Without root (``spec["mode"] == "userns"``) the same tree runs as the trainer's uid: C first
+enters a user namespace of its own (its uid and gid mapped to themselves, setgroups denied,
+``user.max_user_namespaces`` 0 inside so nothing in it can make another), which gives it
+the capabilities to take the PID namespace and G those to build the same minimal root; G's
+``execve`` as a non-zero uid then clears every capability. Limits are rlimits (the process
+cap counts the run's tasks in that user namespace, Linux >= 5.14) plus a cgroup only where
+one is delegated. J takes a user + network namespace of its own and drops its capabilities.
+
 Why each piece: G is PID 1, so when it dies the kernel kills every process of the run and
 C's ``waitpid`` returns only once all of them are reaped (no daemon, no unreaped process
 survives into the next run of that uid). C runs outside the namespace, so the candidate
@@ -44,10 +52,12 @@ import sys
 import time
 import types
 
-CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWUSER = 0x00020000, 0x02000000, 0x04000000, 0x10000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
+ST_RELATIME = 4096  # statvfs's f_flag; ST_RDONLY..ST_NOEXEC, ST_NOATIME, ST_NODIRATIME equal their MS_ flags
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS = 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
@@ -106,6 +116,25 @@ def _mount(src, dst, fstype, flags, data=None):
 
 def unshare(flags):
     _check(_libc.unshare(ctypes.c_int(flags)), f"unshare({flags:#x})")
+
+
+def enter_userns(uid, gid, nested=0):
+    """Unprivileged: a new user namespace where ``uid``/``gid`` map to themselves (the only
+    ids an unprivileged process may map), with all capabilities over what it then creates,
+    and at most ``nested`` user namespaces below it."""
+    unshare(CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1\n"), ("gid_map", f"{gid} {gid} 1\n"),
+                       ("sys/user/max_user_namespaces", f"{nested}\n")):
+        path = "/proc/self/" + name if not name.startswith("sys/") else "/proc/" + name
+        with open(path, "w") as fh:
+            fh.write(text)
+
+
+def drop_caps():
+    """Clear this process's capabilities (effective, permitted, inheritable)."""
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.capset(header, data), "capset")
 
 
 def _pivot_root(new_root):
@@ -223,14 +252,24 @@ def _mkdir(path, mode=0o755, owner=None):
         os.chown(path, owner, owner)
 
 
-def _bind(src, dst, flags=MS_RDONLY | MS_NOSUID | MS_NODEV):
+def _bind(src, dst, flags=MS_RDONLY | MS_NOSUID | MS_NODEV, keep=False):
     os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
     if os.path.isdir(src):
         os.makedirs(dst, mode=0o755, exist_ok=True)
     elif not os.path.exists(dst):
         os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o644))
     _mount(src, dst, None, MS_BIND)
+    if keep:  # in a user namespace the source's flags are locked: a remount must repeat them
+        flags |= _source_flags(dst)
     _mount(None, dst, None, MS_BIND | MS_REMOUNT | flags)
+
+
+def _source_flags(path):
+    have = os.statvfs(path).f_flag
+    flags = have & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NODIRATIME)
+    if have & MS_NOATIME:
+        return flags | MS_NOATIME
+    return flags | (MS_RELATIME if have & ST_RELATIME else MS_STRICTATIME)
 
 
 def _build_root(spec):
@@ -239,6 +278,7 @@ def _build_root(spec):
     work dir. Everything it writes lives in that one tmpfs, so the size is the run's quota
     and the whole of it vanishes with the mount namespace."""
     root, limits, uid = spec["fs"]["root"], spec["limits"], spec["uid"]
+    keep = spec.get("mode") == "userns"
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     inodes = max(1024, limits["disk_mb"] * 64)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['disk_mb']}m,nr_inodes={inodes},mode=755")
@@ -252,19 +292,29 @@ def _build_root(spec):
             os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
             os.symlink(op[2], root + path)
         elif kind == "bind":
-            _bind(path, root + path)
+            _bind(path, root + path, keep=keep)
         elif kind == "cover":  # e.g. site-packages inside the stdlib dir: an empty read-only tmpfs
             _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
     for node in ("null", "zero", "full", "random", "urandom"):
-        _bind("/dev/" + node, root + "/dev/" + node, MS_NOSUID | MS_NOEXEC)
+        _bind("/dev/" + node, root + "/dev/" + node, MS_NOSUID | MS_NOEXEC, keep=keep)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
     _mkdir(root + "/proc")
     # In a PID namespace this /proc shows the run's processes only; without one, hidepid
     # hides every process of another uid.
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-           None if spec["layers"]["pid"] else "hidepid=2")
+    try:
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               None if spec["layers"]["pid"] else "hidepid=2")
+    except OSError:
+        # In a user namespace the kernel refuses a new /proc where the host's is partly
+        # covered (a container's masked paths): then the run has none (an empty dir).
+        if not keep:
+            raise
+    if keep:  # the skeleton is this uid's own tmpfs: only the work and temp dirs stay writable
+        for d in ("/sandbox", "/tmp", "/var/tmp", "/run/lock", "/dev/shm"):
+            _mount(root + d, root + d, None, MS_BIND)
+        _mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     _pivot_root(root)
     _libc.sethostname(b"sandbox", ctypes.c_size_t(7))
 
@@ -277,6 +327,8 @@ def _limit(spec):
         resource.setrlimit(res, (value, value))
     if spec["uid"] is not None:  # per uid, and the uid is the run's own: a cap for the run
         resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+    elif spec["layers"].get("nproc"):  # counted per (user namespace, uid): the run's tasks, and C
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"] + 1, lim["nproc"] + 1))
 
 
 def _drop(uid):
@@ -395,6 +447,8 @@ def start_candidate(spec, argv, fds):
 
 def _reap(spec, argv, fds, ctl_r):
     layers = spec["layers"]
+    if layers.get("userns"):
+        enter_userns(spec["host_uid"], spec["host_gid"])
     if layers["pid"]:
         unshare(CLONE_NEWPID)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -623,8 +677,12 @@ class CandidateGone(BaseException):
 
 def _judge(spec, chan, plain):
     """Run the test code with each name it takes from the candidate bound to a call proxy."""
+    if spec["layers"].get("userns"):
+        enter_userns(spec["host_uid"], spec["host_gid"])
     if spec["layers"]["net"]:
         unshare(CLONE_NEWNET)
+    if spec["layers"].get("userns"):
+        drop_caps()
     resource.setrlimit(resource.RLIMIT_CPU, (int(spec["limits"]["timeout"]) + 2,) * 2)
     _preimport(spec["prelude"], spec["test"])
     modules = _modules_named(spec["names"])  # e.g. MBPP's ``math.isclose`` without an import

@@ -29,10 +29,41 @@ missing, every run is refused, allowed or not.
 
 What it does not contain: the kernel is shared (no seccomp filter), so a kernel exploit is
 out of scope; CPU time is bounded per process and by the wall timeout, not shared fairly;
-the per-uid kernel keyring of a slot's uid persists between runs of that slot. A user
-namespace (for machines without root) is not used: there, all layers are missing.
+the per-uid kernel keyring of a slot's uid persists between runs of that slot.
 
-The machinery lives in ``_sandbox_exec.py`` (a root helper process, forked per run); this
+Without root (``mode == "userns"``, e.g. a Slurm job's reward workers), the layers are
+:data:`USERNS_LAYERS`, all required the same way:
+
+- ``userns``: each candidate process gets a user namespace of its own, the trainer's uid and
+  gid mapped to themselves (the only ids an unprivileged process may map). The program runs
+  as the trainer's uid with no capabilities (``execve`` as a non-zero uid clears them, plus
+  no_new_privs), and ``user.max_user_namespaces`` is 0 inside, so it cannot make a user
+  namespace of its own to regain them;
+- ``pid``, ``mount``, ``net``, ``ipc``: as above, owned by that user namespace. The minimal
+  root is the same, made read-only except the work dir and temp dirs (the tmpfs is the
+  trainer uid's own, so without that it could write anywhere in it); binds keep the
+  flags the host mount has (a user namespace cannot clear nosuid/noexec/ro). Where the
+  host's /proc is partly covered (a container's masked paths) the kernel refuses a new
+  /proc: the run then has none;
+- ``nproc``: RLIMIT_NPROC, which Linux >= 5.14 counts per (user namespace, uid): the run's
+  own tasks, capped at ``nproc``. Older kernels count every process of the uid on the
+  host: the layer is missing there.
+
+Weaker than root, and how: no uid of its own (what it can reach on the host is what the
+trainer's uid could, through the namespaces: nothing but the interpreter's files, read-only;
+its supplementary groups stay, ``setgroups`` being denied; whether the uid's kernel
+keyrings are reachable from its user namespace is not checked); memory is capped per process
+by address space (``memory_mb`` each, up to ``nproc`` processes) unless a cgroup is
+delegated to the trainer (then used, as above; without one ``Isolation.notes`` says so);
+the kernel attack surface of user namespaces is larger (a kernel bug reachable only with
+namespace capabilities is reachable here). Where user namespaces are forbidden
+(``user.max_user_namespaces=0``, ``kernel.unprivileged_userns_clone=0``, AppArmor's
+``apparmor_restrict_unprivileged_userns``, a container's seccomp filter), the probe's
+``unshare`` fails and every layer is missing, with that reason and the fix
+(:func:`userns_hint`); ``realscale train`` refuses a code recipe then. A judge service
+outside the job (SandboxFusion's way) is not built.
+
+The machinery lives in ``_sandbox_exec.py`` (a helper process, forked per run); this
 module owns the probe, the policy, the uid slots, the cgroups and the conversations.
 """
 
@@ -46,6 +77,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -57,7 +89,8 @@ from dataclasses import dataclass, field
 
 from realscale.reward._sandbox_exec import kill_procs_of, kill_uid, recv_msg, send_msg, uid_pids
 
-LAYERS = ("uid", "pid", "mount", "net", "ipc", "cgroup")
+LAYERS = ("uid", "pid", "mount", "net", "ipc", "cgroup")  # as root
+USERNS_LAYERS = ("userns", "pid", "mount", "net", "ipc", "nproc")  # without root (the cgroup: where delegated)
 _EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_exec.py")
 STATE_DIR = "/run/realscale-sandbox"
 UID_BASE = 61000  # unprivileged ids without passwd entries: UID_BASE is the judges', slots above it
@@ -98,6 +131,8 @@ class Isolation:
 
     layers: dict[str, bool]
     missing: dict[str, str] = field(default_factory=dict)
+    mode: str = "root"  # "root", or "userns" (unprivileged: user namespaces and rlimits)
+    notes: dict[str, str] = field(default_factory=dict)  # what an optional layer lacks (not a refusal)
 
     @property
     def full(self) -> bool:
@@ -159,6 +194,61 @@ class ServerOutcome:
     answers: list = field(default_factory=list)
 
 
+# ------------------------------------------------------------------ without root
+
+
+def user_state_dir() -> str:
+    """Where an unprivileged sandbox keeps its mount point: ``$XDG_RUNTIME_DIR`` or the temp
+    dir, in a directory of this uid's own (checked: not a link, not another user's)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = runtime if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"realscale-sandbox-{os.getuid()}")
+
+
+def _own_dir(path: str) -> None:
+    """Create ``path`` (and its parent) 0700 or accept it only when it is this uid's own directory."""
+    for d in (os.path.dirname(path), path):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise OSError(errno.EPERM, f"{d} is not a directory of uid {os.getuid()} that only it can write")
+
+
+def nproc_per_userns(release: str | None = None) -> bool:
+    """Whether the kernel counts RLIMIT_NPROC per user namespace (Linux >= 5.14, "ucounts"),
+    so that a fresh user namespace's count holds only the run's own tasks."""
+    try:
+        major, minor = (int(x) for x in (release or os.uname().release).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        with open("/proc/sys/" + name.replace(".", "/")) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def userns_hint() -> str:
+    """What blocks unprivileged user namespaces here, as far as the sysctls say, and the fix."""
+    fixes = []
+    if _sysctl("kernel.unprivileged_userns_clone") == "0":
+        fixes.append("kernel.unprivileged_userns_clone is 0: sysctl -w kernel.unprivileged_userns_clone=1")
+    if _sysctl("user.max_user_namespaces") == "0":
+        fixes.append("user.max_user_namespaces is 0: sysctl -w user.max_user_namespaces=15000")
+    if _sysctl("kernel.apparmor_restrict_unprivileged_userns") == "1":
+        fixes.append("AppArmor restricts them: sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 or an "
+                     "AppArmor profile allowing userns for this Python")
+    if not fixes:
+        fixes.append("no sysctl here forbids them: a container's seccomp filter or a user namespace above with "
+                     "user.max_user_namespaces=0 may; allow user namespaces there")
+    return "unprivileged user namespaces unavailable: " + "; ".join(fixes) + "; or run the trainer as root"
+
+
 # ------------------------------------------------------------------ the sandbox
 
 
@@ -170,11 +260,12 @@ class Sandbox:
     """
 
     def __init__(self, python: str | None = None, uid_base: int = UID_BASE, slots: int = 256,
-                 state_dir: str = STATE_DIR) -> None:
+                 state_dir: str | None = None) -> None:
         self.python = python or sys.executable
         self.uid_base = uid_base
-        self.state_dir = state_dir
-        self._slots = _Slots(uid_base + 1, slots, os.path.join(state_dir, "uids"))
+        self.mode = "root" if os.geteuid() == 0 else "userns"
+        self.state_dir = state_dir or (STATE_DIR if self.mode == "root" else user_state_dir())
+        self._slots = _Slots(uid_base + 1, slots, os.path.join(self.state_dir, "uids"))
         self._cgroups: _Cgroups | None = None
         self._helper = _Helper()
         self._lock = threading.Lock()
@@ -196,10 +287,9 @@ class Sandbox:
         return choose_layers(self.probe(), allow_weaker, os.geteuid() == 0)
 
     def _probe(self) -> Isolation:
+        if self.mode == "userns":
+            return self._probe_userns()
         missing: dict[str, str] = {}
-        if os.geteuid() != 0:
-            for layer in ("uid", "pid", "mount", "net", "ipc"):
-                missing[layer] = f"needs root (running as uid {os.geteuid()})"
         try:
             os.makedirs(os.path.join(self.state_dir, "root"), mode=0o755, exist_ok=True)
         except OSError as exc:
@@ -232,6 +322,52 @@ class Sandbox:
             missing.setdefault("combined", why)
             layers = {layer: False for layer in LAYERS}
         return Isolation(layers, missing)
+
+    def _probe_userns(self) -> Isolation:
+        """Without root: every layer comes from a user namespace per candidate process, so
+        when that fails, everything fails with its reason and the fix; else each layer alone."""
+        self._inspect()
+        missing: dict[str, str] = {}
+        notes: dict[str, str] = {}
+        try:
+            _own_dir(os.path.join(self.state_dir, "root"))
+        except OSError as exc:
+            missing["mount"] = f"cannot use {self.state_dir}: {exc}"
+        self._cgroups = _Cgroups(self.state_dir)
+        if not nproc_per_userns():
+            missing["nproc"] = (f"Linux {os.uname().release} counts RLIMIT_NPROC per uid across the host, not per "
+                                "user namespace (needs Linux >= 5.14), so a run's processes cannot be capped")
+        layers = {"uid": False, "cgroup": not self._cgroups.why,
+                  **{layer: layer not in missing for layer in USERNS_LAYERS}}
+        if self._try(layers) is not None:
+            err = self._try({**{k: False for k in layers}, "userns": True})
+            if err is not None:
+                missing = {k: "needs the user namespace" for k in USERNS_LAYERS}
+                missing["userns"] = f"{err} ({userns_hint()})"
+                return Isolation({k: False for k in layers}, missing, "userns", {"cgroup": "not tried"})
+            if layers["cgroup"] and self._try({**{k: False for k in layers}, "userns": True, "cgroup": True}):
+                layers["cgroup"] = False
+                self._cgroups.why = "a cgroup is delegated here but a user namespace cannot join it"
+            for layer in [k for k in USERNS_LAYERS if layers[k] and k != "userns"]:
+                err = self._try({**{k: False for k in layers}, "userns": True, layer: True})
+                if err is not None:
+                    missing[layer] = err
+            layers.update({k: k not in missing for k in USERNS_LAYERS})
+            why = self._try(layers)
+            if why is not None:
+                missing.setdefault("combined", why)
+                layers = {k: False for k in layers}
+        if not layers["cgroup"]:
+            notes["cgroup"] = (f"{self._cgroups.why}: memory is capped per process (address space), not for the "
+                               "run's processes together")
+        return Isolation(layers, missing, "userns", notes)
+
+    def _inspect(self) -> None:
+        try:
+            self._exe, self._fs = interpreter_plan(self.python)
+            self._fs["root"] = os.path.join(self.state_dir, "root")
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise SandboxRefused(f"sandbox refused: cannot inspect the interpreter {self.python}: {exc}") from None
 
     def _try(self, layers: dict[str, bool]) -> str | None:
         """None if a trivial program runs under ``layers``, else why not."""
@@ -292,14 +428,16 @@ class Sandbox:
                       backstop: float) -> Iterator["_Conversation"]:
         if self._fs is None:
             self.probe()
-        uid = self._slots.acquire(self._cgroups, layers) if layers["uid"] else None
+        uid = self._slots.acquire(self._cgroups, layers) if layers.get("uid") else None
         cgroup: list[str] | None = None
         conv: _Conversation | None = None
         try:
-            if layers["cgroup"]:
+            if layers.get("cgroup"):
                 name = f"u{uid}" if uid is not None else f"p{os.getpid()}-{next(_RUN_IDS)}"
                 cgroup = self._cgroups.create(name, limits)
-            spec.update({"layers": layers, "uid": uid, "judge_uid": self.uid_base if layers["uid"] else None,
+            spec.update({"layers": {**dict.fromkeys(LAYERS + USERNS_LAYERS, False), **layers}, "mode": self.mode,
+                         "uid": uid, "judge_uid": self.uid_base if layers.get("uid") else None,
+                         "host_uid": os.geteuid(), "host_gid": os.getegid(),
                          "cgroup": cgroup, "fs": self._fs, "python": self._exe, "env": SAFE_ENV,
                          "limits": limits.as_spec()})
             conv = _Conversation(self._helper.open_run(self.python), backstop + _GRACE_S)

@@ -43,7 +43,7 @@ from realscale.inference.timeouts import RequestTimeouts
 from realscale.inference.vllm_dialect import VllmDialect
 
 if TYPE_CHECKING:
-    from realscale.inference.weight_sync import WeightSender
+    from realscale.inference.weight_sync import WeightPart, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -548,6 +548,32 @@ class InferenceClient:
         sender.reopen(world_size=1 + sum(s.ranks for s in targets))
         await self._join_group(sender, targets)
 
+    async def join_groups(self, senders: list[Any], ranks: dict[str, int], leaving: Iterable[str] = ()) -> None:
+        """Several weight groups at once (one per trainer pipeline stage): the servers at
+        ``leaving`` first leave every sender's group (a previous membership: SGLang refuses
+        a group name it holds), then the servers in ``ranks`` ({url: ranks}, in rank order)
+        join each sender's group, one group after another — a server joins one group at a
+        time, so every server must be asked in the same order. A sender here hosts its group
+        while its servers join (``connect``); another process's (``RemoteSender``) hosts
+        its own."""
+        by_url = {s.url: s for s in self.servers}
+        unknown = sorted(set(ranks) - set(by_url))
+        if unknown:
+            raise ValueError(f"join_groups: not servers of this client: {unknown}")
+        gone = [by_url[u] for u in leaving if u in by_url]
+        for sender in senders:
+            await self._leave_group(sender, gone)
+        targets = [by_url[u] for u in ranks]
+        await self._server_ranks(targets, ranks)
+        for sender in senders:
+            await self._join_group(sender, targets)
+
+    async def leave_groups(self, senders: list[Any], urls: list[str]) -> None:
+        """The servers at ``urls`` leave every sender's group (the trainer is done with them)."""
+        targets = [s for s in self.servers if s.url in set(urls) and not s.retired]
+        for sender in senders:
+            await self._leave_group(sender, targets)
+
     async def destroy_weights_update_group(self, sender: WeightSender) -> None:
         """Take the group's servers out of it (the trainer is done with it): SGLang keeps a
         group until told, and refuses a later ``/init_weights_update_group`` of the same
@@ -591,9 +617,31 @@ class InferenceClient:
         targets = await self._update_targets()
         if [s.url for s in targets] != self._group_urls:
             await self._regroup(sender, targets)
+        return await self._update_session(targets, [WeightPart(sender, buckets)], weight_version, flush_cache)
+
+    async def update_weights_in_parts(self, parts: list["WeightPart"], urls: list[str], weight_version: Any = None,
+                                      flush_cache: bool = True) -> int:
+        """One update session over several weight groups, each ``part`` broadcast by its
+        own sender (a pipeline stage's group; its broadcasts may run in another process:
+        ``part.sender`` then only names the group), in order, into the servers at ``urls``
+        (every part's group holds exactly those, in that order: the caller keeps it so).
+        A server takes one update call at a time, so the parts are posted one after
+        another, the same order at every server. The version and the flush go with the
+        last bucket of the last part. Returns the bytes this process's senders sent."""
+        by_url = {s.url: s for s in self.servers}
+        unknown = [u for u in urls if u not in by_url]
+        if unknown:
+            raise ValueError(f"update_weights_in_parts: not servers of this client: {unknown}")
+        return await self._update_session([by_url[u] for u in urls], parts, weight_version, flush_cache)
+
+    async def _update_session(self, targets: list[_Server], parts: list["WeightPart"], weight_version: Any,
+                              flush_cache: bool) -> int:
         await self._post_all(targets, "/begin_weight_update", {})
         try:
-            sent = await self._send_buckets(sender, targets, buckets, weight_version, flush_cache)
+            sent = 0
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                sent += await self._send_buckets(part, targets, weight_version if last else None, flush_cache and last)
         except BaseException as failure:
             gone = await self.retire_dead([s.url for s in targets]) if isinstance(failure, Exception) else []
             alive = [s for s in targets if s.url not in gone]
@@ -609,30 +657,42 @@ class InferenceClient:
         await self._post_all(targets, "/end_weight_update", {})
         return sent
 
-    async def _send_buckets(self, sender: WeightSender, targets: list[_Server], buckets: Iterable[list[tuple[str, Any]]],
-                            weight_version: Any, flush_cache: bool) -> int:
-        """The buckets of one update session; returns bytes sent."""
+    async def _send_buckets(self, part: "WeightPart", targets: list[_Server], weight_version: Any,
+                            flush_cache: bool) -> int:
+        """The buckets of one part; returns bytes sent.
+
+        With ``part.count`` known, the next bucket is exported (its TP gathers, its cast)
+        while this one is broadcast; without it, the next is taken first (the version and
+        the flush must ride on the last bucket's request)."""
         from realscale.inference.weight_sync import bucket_meta
 
         loop = asyncio.get_running_loop()
-        it = iter(buckets)
+        sender, it = part.sender, iter(part.buckets)
         bucket = next(it, None)
         if bucket is None and weight_version is not None:  # nothing to send: only the version moves
             await self._post_all(targets, "/update_weight_version",
                                  {"new_version": str(weight_version), "abort_all_requests": False})
-        sent = 0
+        sent, index = 0, 0
         while bucket is not None:
-            following = next(it, None)
+            following: Any = None
+            if part.count is None:
+                following = next(it, None)
+                last = following is None
+            else:
+                last = index == part.count - 1
             body: dict[str, Any] = {**bucket_meta(bucket), "group_name": sender.group_name,
-                                    "flush_cache": flush_cache and following is None}
-            if following is None and weight_version is not None:
+                                    "flush_cache": flush_cache and last}
+            if last and weight_version is not None:
                 body["weight_version"] = str(weight_version)
             posts = [asyncio.ensure_future(self._request(s, "POST", "/update_weights_from_distributed", body))
                      for s in targets]
             # every part ends (or fails) before this returns: no broadcast left running on a
             # group that a resend will rebuild
+            broadcast = loop.run_in_executor(None, sender.broadcast_bucket, bucket)
+            if part.count is not None:
+                following = await loop.run_in_executor(None, next, it, None)  # while it is sent
             try:
-                sent += await loop.run_in_executor(None, sender.broadcast_bucket, bucket)
+                sent += await broadcast
             except Exception:
                 # A member went away mid-bucket. Drop the group now: the survivors' receives
                 # then fail at once ("connection closed") instead of at the group's timeout.
@@ -642,7 +702,10 @@ class InferenceClient:
             errors = [r for r in await asyncio.gather(*posts, return_exceptions=True) if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
-            bucket = following
+            if part.count is not None and (following is None) != last:
+                raise RuntimeError(f"weight group {sender.group_name!r}: the export gave a different number of "
+                                   f"buckets than its metadata said ({part.count})")
+            bucket, index = following, index + 1
         return sent
 
     # ------------------------------------------------------------------ weight world (ReshardTransport)

@@ -23,8 +23,11 @@ rendezvous for torch's default 30 minutes; here the caller bounds it (``timeout_
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -159,6 +162,74 @@ class WeightSender:
         if self.group is not None:
             destroy_group(self.group)
         self.group = None
+
+
+@dataclasses.dataclass
+class WeightPart:
+    """One weight group's share of an update session: its sender and its buckets, and how
+    many buckets there are when known ahead (then the next bucket is exported while one
+    is sent)."""
+
+    sender: Any  # WeightSender, or RemoteSender for a group another process sends on
+    buckets: Iterable[Bucket]
+    count: int | None = None
+
+
+class RemoteSender:
+    """Rank 0's handle on a weight group that another trainer rank hosts and broadcasts on
+    (a pipeline stage's leader): what the servers are told to join (``init_request``) and
+    the group's name; its broadcasts happen in that process, so :meth:`broadcast_bucket`
+    sends nothing here: before the group's first bucket of a round, tells the
+    leader to start (:meth:`signal`, over the trainer's own store: a leader whose part
+    never comes, because the update failed before it, is told so instead of waiting in a
+    broadcast until the group's timeout)."""
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+                 store: Any = None, key: str = "") -> None:
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.group_name = group_name
+        self.backend = backend
+        self.store = store
+        self.key = key
+        self.started = False
+
+    init_request = WeightSender.init_request
+
+    def connect(self, timeout_s: float = 120.0) -> None:
+        """The leader hosts the group; the servers' joins end once it is formed."""
+
+    def signal(self, go: bool) -> None:
+        """Tell the leader whether its part of this round is sent (once per round)."""
+        if self.store is not None and not self.started:
+            self.store.set(self.key, b"go" if go else b"skip")
+        self.started = True
+
+    def broadcast_bucket(self, bucket: Bucket, load_format: str | None = None) -> int:
+        """The leader's part begins (once); this process sends no byte of it."""
+        self.signal(True)
+        return 0
+
+    def close(self) -> None:
+        """Nothing held here: the leader drops its own group."""
+
+
+def send_overlapped(buckets: Iterable[Bucket], send: Callable[[Bucket], int]) -> int:
+    """``send`` every bucket in order, the next bucket's export (``buckets`` is a lazy
+    export: TP gathers, casts) running while the previous one is sent; returns the bytes
+    sent. A failed send raises after the bucket in flight has ended; the caller drains
+    the rest of ``buckets`` (its collectives) itself."""
+    sent = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="weight-send") as pool:
+        pending: Future[int] | None = None
+        for bucket in buckets:
+            if pending is not None:
+                sent += pending.result()
+            pending = pool.submit(send, bucket)
+        if pending is not None:
+            sent += pending.result()
+    return sent
 
 
 class WeightReceiver:

@@ -301,18 +301,24 @@ def _tp_gather(kind: str, shard: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroups,
-                    pp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+                    pp: int = 1, stage_local: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) on global rank 0; every rank of the model must iterate it
-    (collectives inside), the others receive nothing."""
+    (collectives inside), the others receive nothing.
+
+    ``stage_local``: each pipeline stage's sender-column rank (tp and dp rank 0) yields
+    the tensors its own stage holds, gathered over TP only; nothing travels down the
+    pipeline (a weight push sends every stage's part from that stage)."""
 
     local = local_params(model)
     tied_done = False
     for name, stage in _param_plan(arch, pp):
         rule, layer = match(name)
         full: torch.Tensor | None = None
+        if stage_local and stage != groups.pp_rank:
+            continue
         if stage == groups.pp_rank:
             full = _tp_gather(rule.kind, local[name].detach(), groups.tp_group)
-        if pp > 1 and groups.is_sender_column:
+        if pp > 1 and groups.is_sender_column and not stage_local:
             # the stage that owns the tensor sends it down the pipeline column to stage 0;
             # both ends' tensors on the device the group's backend needs (NCCL: this GPU)
             backend = group_backend(groups.pp_group)
@@ -323,7 +329,7 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
                 full = to_comm(full, backend)
             if stage != 0:
                 dist.broadcast(full, src=groups.pp_ranks[stage], group=groups.pp_group)
-        if groups.pp_rank != 0 or not groups.is_sender_column:
+        if not groups.is_sender_column or (groups.pp_rank != 0 and not stage_local):
             continue
         assert full is not None
         hf_names = _hf_names(rule, layer, arch)
@@ -364,9 +370,11 @@ def _full_shape(name: str, arch: ModelArch, model: torch.nn.Module) -> tuple[int
 
 def export_hf_weights(model: torch.nn.Module, arch: ModelArch, groups: ExportGroups, pp: int = 1,
                       bucket_bytes: int = 512 << 20,
-                      cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[Bucket]:
-    """HF-named full tensors in buckets of about ``bucket_bytes``, yielded on global rank 0."""
-    stream = iter_hf_tensors(model, arch, groups, pp)
+                      cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      stage_local: bool = False) -> Iterator[Bucket]:
+    """HF-named full tensors in buckets of about ``bucket_bytes``, yielded on global rank 0
+    (``stage_local``: each stage's own, on its sender-column rank; :func:`iter_hf_tensors`)."""
+    stream = iter_hf_tensors(model, arch, groups, pp, stage_local)
     if cast is not None:
         stream = ((n, cast(t)) for n, t in stream)
     return split_buckets(stream, bucket_bytes)

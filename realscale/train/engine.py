@@ -548,9 +548,11 @@ class MegatronEngine:
                             is_sender_column=r.tp_rank == 0 and r.dp_rank == 0)
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
-                          device: torch.device | str | None = None) -> Iterator[list]:
+                          device: torch.device | str | None = None, stage_local: bool = False) -> Iterator[list]:
         """HF-named full tensors in buckets, yielded on global rank 0; every rank of the
-        trainer must iterate it to the end (there are collectives inside).
+        trainer must iterate it to the end (there are collectives inside). ``stage_local``:
+        each pipeline stage's tensors yielded on that stage's first rank (tp and dp rank 0),
+        nothing sent down the pipeline.
 
         ``device``: where the tensors are yielded; default the device the trainer's
         collectives use (its GPU under NCCL, the CPU under gloo), so a weight push hands
@@ -562,7 +564,8 @@ class MegatronEngine:
             return iter(())
         where = torch.device(device) if device is not None else comm_device(group_backend(None))
         cast = (lambda t: t.to(device=where, dtype=dtype)) if dtype is not None else (lambda t: t.to(where))
-        return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast)
+        return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast,
+                                 stage_local)
 
     def hf_weight_bytes(self) -> int:
         """Bytes of the full HF-named weights in the parameter dtype (what one whole copy

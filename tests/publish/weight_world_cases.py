@@ -156,3 +156,59 @@ def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, 
     else:
         transport.close()
     return out
+
+
+def broadcast_into_servers(model_dir: str, layouts: list[str], endpoints: list[tuple[str, int]],
+                           steps: int = 2) -> list[dict]:
+    """SGLang's protocol (``BroadcastTransport``; with pipeline stages its per-stage
+    groups) from each trainer layout into ``endpoints``, ``steps`` updates (weights changed
+    after the first), checked by :func:`server_check` after each. Returns this rank's
+    records: bytes it sent itself, and on rank 0 what the servers hold."""
+    import torch.distributed as dist
+
+    from realscale.parallel.mesh import Strategy
+    from realscale.parallel.model_spec import spec_from_hf_config
+    from realscale.publish.broadcast import BroadcastTransport
+    from realscale.publish.control import ClientControl, ServerEndpoint
+    from realscale.publish.weight_world import WorldSpec
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    rank, out, version = dist.get_rank(), [], 0
+    for strategy in layouts:
+        s = Strategy.parse(strategy)
+        engine = MegatronEngine(EngineConfig(model_dir, tp=s.tp, pp=s.pp, lr=None))
+        spec = spec_from_hf_config(engine.hf_config, itemsize=4)
+        control = ClientControl([ServerEndpoint(u, r) for u, r in endpoints]) if rank == 0 else None
+        transport = BroadcastTransport("gloo", bucket_bytes=1 << 16)
+        transport.connect(engine, control)
+        sender = transport.staged.sender if transport.staged is not None else transport.sender
+        for step in range(steps):
+            if step:
+                perturb(engine, version)
+            version += 1
+            counted = _counting(sender)
+            stats = transport.send(engine, version, control)
+            out.append({"case": (strategy, step), "sent": counted(), "version": str(version), "bytes": stats.bytes,
+                        "lower_bound": stats.lower_bound, "full": engine.hf_weight_bytes(),
+                        "held": [h for i, ep in enumerate(endpoints)  # servers of any rank count, one at a time
+                                 for h in (server_check(engine, spec, WorldSpec("127.0.0.1", 1, "check", "gloo",
+                                                                                 "d1t1p1", [ep[1]]), [ep]) or [])
+                                 ]})
+        transport.close()
+        if control is not None:
+            control.close()
+    return out
+
+
+def _counting(sender: Any) -> Any:
+    """Count the bytes ``sender`` (this rank's, or None) broadcasts from now on."""
+    total = [0]
+    if sender is not None:
+        send = sender.broadcast_bucket
+
+        def counted(bucket: Any, load_format: Any = None) -> int:
+            n = send(bucket, load_format)
+            total[0] += n
+            return n
+        sender.broadcast_bucket = counted
+    return lambda: total[0]

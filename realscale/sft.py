@@ -27,9 +27,14 @@ samples each on 64 held-out prompts: per-sample accuracy 0.17, pass@8 0.70, and 
 the groups hold both right and wrong answers (mostly near misses, 44 for 45), which is
 what GRPO needs.
 
-Training runs in spawned processes (``parallel.world_size`` ranks, gloo on CPU), so the
-caller's process never holds Megatron's global state; the result is an HF directory
-(``save_hf`` plus the tokenizer files) that the generation servers and the RL trainer load.
+Each stage runs as a job of ``parallel.world_size`` ranks started by the run's launcher
+backend, as the RL trainer's ranks are (``backends``: local processes, a Slurm job step on
+the trainer's nodes; or ``realscale rank`` under torchrun / mpirun with a spec naming
+:func:`sft_rank`): each rank takes RANK / LOCAL_RANK / WORLD_SIZE from the launcher and its
+device and backend from :mod:`realscale.parallel.device` (NCCL on its GPU on a GPU node,
+gloo on CPU), so the caller's process never holds Megatron's global state. Rank 0 writes
+the stage's HF directory (``save_hf`` plus the tokenizer files: every rank takes part in
+the gathers) and ``sft_stage.json``, what the caller reads back.
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import numpy as np
 from omegaconf import OmegaConf
 
-from realscale.config import Config, ConfigError, run_dir, save_config
+from realscale.config import Config, ConfigError, config_from_dict, run_dir, save_config
 from realscale.data.sft_data import load_demonstrations
+from realscale.errors import LaunchError
 from realscale.models.tiny import build_tiny_model, resolve_model_path
-from realscale.parallel.spawn import run_distributed
+from realscale.parallel.device import collective_timeout_s, init_distributed
 from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
 if TYPE_CHECKING:
@@ -58,6 +64,24 @@ MODEL_FAMILY = "qwen2"
 # The packed micro-batch budget: attention on CPU is dense over a packed row, so short
 # rows (a few hundred tokens) cost far less than one row holding the whole batch.
 SFT_MICRO_BATCH_TOKENS = 512
+STAGE_RESULT = "sft_stage.json"  # rank 0's account of a stage, in the stage's directory
+
+
+class RankJob(Protocol):
+    """What a stage asks of the run's launcher backend (:class:`realscale.launcher.Backend`)."""
+
+    def prepare(self) -> None: ...
+
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple, name: str = "trainer") -> None: ...
+
+    def wait(self) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+# (config, directory for the launch's files and logs) -> a backend for one stage's ranks:
+# realscale.launcher.ranks_backend (the launcher sits above this module, so it is passed in)
+Backends = Callable[[Config, str], RankJob]
 
 
 @dataclass
@@ -175,9 +199,31 @@ def nll_loss(logp: Any, mb: Any, normalizer: Any) -> tuple[Any, dict[str, Any]]:
     return loss, {}
 
 
+def sft_rank(cfg_dict: dict[str, Any], base_dir: str, server_urls: list[str], launch_dir: str) -> None:
+    """One rank of one SFT stage, as the launcher starts it (the trainer's entry signature:
+    ``server_urls`` is empty, ``launch_dir`` holds the launch's files): torch.distributed
+    from the launcher's variables on this rank's device and backend (``parallel.backend``;
+    :func:`realscale.parallel.device.init_distributed` sets the GPU of LOCAL_RANK first),
+    train, write the stage's HF directory ``sft.output`` and (rank 0) ``sft_stage.json``."""
+    import torch.distributed as dist
+
+    cfg = config_from_dict(cfg_dict)
+    backend = init_distributed(cfg.parallel.backend, collective_timeout_s(cfg.parallel.collective_timeout_s))
+    try:
+        result = _train_rank(cfg, base_dir, cfg.sft.output)
+        if dist.get_rank() == 0:
+            result.update({"world_size": dist.get_world_size(), "backend": backend})
+            path = os.path.join(cfg.sft.output, STAGE_RESULT)
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(result, fh)
+            os.replace(path + ".tmp", path)
+    finally:
+        dist.destroy_process_group()
+
+
 def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
-    """One rank of one SFT stage (spawned): train ``sft.steps`` steps on this rank's share
-    of each batch, write the HF directory (rank 0)."""
+    """One rank of one SFT stage: train ``sft.steps`` steps on this rank's share of each
+    batch, write the HF directory (rank 0 writes; every rank gathers)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -233,22 +279,49 @@ def _copy_chat_template(src: str, dst: str) -> None:
 
 def stage_plan(cfg: Config, out_dir: str) -> list[tuple[Config, str]]:
     """(config, output directory) per stage: one stage without ``sft.stages``; with them,
-    each stage's knobs over the ``sft`` section, the last stage writing ``out_dir``."""
+    each stage's knobs over the ``sft`` section, the last stage writing ``out_dir``. Each
+    stage's ``sft.output`` is its directory (where its ranks write)."""
     s = cfg.sft
     if not s.stages:
-        return [(cfg, out_dir)]
+        return [(dataclasses.replace(cfg, sft=dataclasses.replace(s, output=out_dir)), out_dir)]
     plan = []
     for i, st in enumerate(s.stages):
-        sft = dataclasses.replace(s, stages=[], data=st.data or s.data, max_seq_len=st.max_seq_len or s.max_seq_len,
-                                  steps=st.steps or s.steps, lr=st.lr or s.lr, batch_size=st.batch_size or s.batch_size)
         last = i == len(s.stages) - 1
-        plan.append((dataclasses.replace(cfg, sft=sft), out_dir if last else os.path.join(out_dir, st.name or f"stage{i + 1}")))
+        stage_dir = out_dir if last else os.path.join(out_dir, st.name or f"stage{i + 1}")
+        sft = dataclasses.replace(s, stages=[], data=st.data or s.data, max_seq_len=st.max_seq_len or s.max_seq_len,
+                                  steps=st.steps or s.steps, lr=st.lr or s.lr, batch_size=st.batch_size or s.batch_size,
+                                  output=stage_dir)
+        plan.append((dataclasses.replace(cfg, sft=sft), stage_dir))
     return plan
 
 
-def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
-    """Build (or take) the base model, fine-tune it stage by stage, save it, and (task data)
-    score it on the held-out split."""
+def run_stage(stage_cfg: Config, base_dir: str, stage_dir: str, backends: Backends, launch_dir: str) -> dict[str, Any]:
+    """One stage's ranks through the run's launcher backend; rank 0's account of it. A rank
+    that fails fails the stage (LaunchError naming its exit code), never a stale result."""
+    result_path = os.path.join(stage_dir, STAGE_RESULT)
+    if os.path.exists(result_path):
+        os.remove(result_path)  # an earlier attempt's: this stage's ranks write their own
+    backend = backends(stage_cfg, launch_dir)
+    backend.prepare()
+    try:
+        backend.start_ranks(sft_rank, stage_cfg.parallel.world_size,
+                            (asdict(stage_cfg), base_dir, [], launch_dir), name="sft")
+        code = backend.wait()
+    finally:
+        backend.stop()
+    if code != 0:
+        raise LaunchError(f"sft stage {stage_dir}: a rank failed (exit code {code}); its traceback is in its "
+                          f"log (the output above, or {os.path.join(launch_dir, 'logs')}/sft-rank<i>.log under Slurm)")
+    if not os.path.isfile(result_path):
+        raise LaunchError(f"sft stage {stage_dir}: the ranks exited without writing {STAGE_RESULT}")
+    with open(result_path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def run_sft(cfg: Config, backends: Backends) -> SFTResult:
+    """Build (or take) the base model, fine-tune it stage by stage (each stage a job of
+    ``parallel.world_size`` ranks that ``backends`` starts: :func:`realscale.launcher.ranks_backend`),
+    save it, and (task data) score it on the held-out split."""
 
     start = time.perf_counter()
     task: ArithTask | None = None if cfg.sft.data else task_from_config(cfg.data)  # validates task knobs first
@@ -259,13 +332,13 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
     stages, losses, train_seconds = [], [], 0.0
     for stage_cfg, stage_dir in stage_plan(cfg, out_dir):
         os.makedirs(stage_dir, exist_ok=True)
-        result = run_distributed(_train_rank, stage_cfg.parallel.world_size, stage_cfg, base_dir, stage_dir,
-                                 timeout=timeout)[0]
+        result = run_stage(stage_cfg, base_dir, stage_dir, backends, out_dir)
         print(f"sft stage -> {stage_dir}: {result['examples']} examples, refused {result['refused'] or 'none'}, "
               f"nll {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}", flush=True)
         stages.append({"dir": stage_dir, "steps": len(result["losses"]), "max_seq_len": stage_cfg.sft.max_seq_len,
                        "first_loss": result["losses"][0], "last_loss": result["losses"][-1],
-                       "examples": result["examples"], "refused": result["refused"]})
+                       "examples": result["examples"], "refused": result["refused"],
+                       "world_size": result["world_size"], "backend": result["backend"]})
         losses += result["losses"]
         train_seconds += result["seconds"]
         base_dir = stage_dir  # the next stage starts from this stage's export
@@ -290,14 +363,15 @@ def run_sft(cfg: Config, timeout: float = 3600.0) -> SFTResult:
 # ----------------------------------------------------------------------------- the RL run's policy
 
 
-def prepare_policy_model(cfg: Config, out_dir: str) -> str:
+def prepare_policy_model(cfg: Config, out_dir: str, backends: Backends) -> str:
     """The policy's HF directory: ``model.path: sft`` means the warm start of the ``sft``
-    section (run now unless already there); anything else is a directory or tiny name."""
+    section (run now, its ranks started by ``backends``, unless already there); anything
+    else is a directory or tiny name."""
 
     if cfg.model.path == "sft":
         target = sft_output_dir(cfg)
         if not os.path.isfile(os.path.join(target, "model.safetensors")):
-            run_sft(cfg)
+            run_sft(cfg, backends)
         else:
             check_warm_start(cfg, target)
         return target

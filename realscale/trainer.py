@@ -23,6 +23,10 @@ step:
    ``run.checkpoint_every`` steps and at the end; a stop request (SIGUSR1: time limit or
    pre-emption) checkpoints and exits after the current step.
 
+After the last step every rank takes part in the HF export of the trained weights,
+``<run>/final`` (:func:`realscale.train.checkpoint.export_final`: the gathers on the
+ranks' own devices and backend), which the supervisor then evaluates.
+
 Asynchrony is all in the controller: while step N trains, generation for later steps
 goes on under the old weights, and η bounds how old a trained token may be.
 
@@ -56,7 +60,7 @@ from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import BatchScatter, ScatterStats
-from realscale.train.checkpoint import Checkpointer, disk_usage, record_trained, truncate_logs
+from realscale.train.checkpoint import Checkpointer, disk_usage, export_final, record_trained, truncate_logs
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
 from realscale.train.reference import reference_for
@@ -136,6 +140,8 @@ class Trainer:
                     if not saved:  # pre-emption / time limit: keep this step's work
                         self.save()
                     break
+            if self.step >= cfg.run.total_steps:  # done (or resumed done): every rank exports
+                export_final(self.engine, self.out_dir, self.step)
         finally:
             self.close()
 

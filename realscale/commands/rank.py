@@ -5,8 +5,10 @@
     mpirun -np 2 python -m realscale rank --spec ...                # Open MPI / MPICH
     srun  realscale rank --spec ... --server                        # generation server i = task id
 
-The launcher writes the spec (config, model dir, server URLs, run dir); the rank derives
-RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from its launcher's variables.
+The launcher writes the spec (config, model dir, server URLs, run dir, and what the ranks
+run: the RL loop, or a stage of ``realscale sft`` from ``<dir>/launch/sft-spec.json``); the
+rank derives RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from its
+launcher's variables.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.server:
             return generation_server(args.spec, args.index)
+        from realscale.launcher.spec import entry_name
+        from realscale.sft import sft_rank
         from realscale.trainer import rank_main
 
-        return trainer_rank(args.spec, rank_main)
+        return trainer_rank(args.spec, {entry_name(fn): fn for fn in (rank_main, sft_rank)})
     except (FileNotFoundError, DistEnvError) as exc:
         raise UsageError(str(exc)) from None

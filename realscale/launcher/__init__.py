@@ -28,8 +28,8 @@ from realscale.launcher.spec import clear_stop, request_stop, stop_reason
 if TYPE_CHECKING:
     from realscale.config import Config
 
-__all__ = ["Backend", "LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "request_stop",
-           "served", "start_servers", "stop_reason", "stop_servers", "wait_healthy"]
+__all__ = ["Backend", "LocalBackend", "RankGroup", "ServerProc", "backend_for", "clear_stop", "ranks_backend",
+           "request_stop", "served", "start_servers", "stop_reason", "stop_servers", "wait_healthy"]
 
 
 class Backend(Protocol):
@@ -41,7 +41,7 @@ class Backend(Protocol):
 
     def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]: ...
 
-    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None: ...
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple, name: str = "trainer") -> None: ...
 
     def wait(self) -> int: ...
 
@@ -50,16 +50,23 @@ class Backend(Protocol):
     def requeue(self) -> None: ...
 
 
-def backend_for(cfg: Config, out_dir: str) -> Backend:
-    """``launch.backend``: local, slurm, or auto (slurm inside an allocation)."""
+def backend_for(cfg: Config, out_dir: str, ranks_only: bool = False) -> Backend:
+    """``launch.backend``: local, slurm, or auto (slurm inside an allocation).
+    ``ranks_only``: for a job of ranks without servers (:func:`ranks_backend`)."""
 
     kind = cfg.launch.backend
     if kind == "auto":
         kind = "slurm" if in_allocation() else "local"
     if kind == "slurm":
-        return SlurmBackend(cfg, out_dir)
+        return SlurmBackend(cfg, out_dir, ranks_only=ranks_only)
     return LocalBackend(cfg, out_dir)
 
+
+def ranks_backend(cfg: Config, out_dir: str) -> Backend:
+    """The backend of a job of ranks alone, an SFT stage (:func:`realscale.sft.run_sft`):
+    the run's (local processes, or a Slurm job step on the trainer's nodes), its ranks
+    bootstrapped from the same torch.distributed variables as trainer ranks."""
+    return backend_for(cfg, out_dir, ranks_only=True)
 
 
 @contextlib.contextmanager

@@ -217,12 +217,13 @@ class RankGroup:
 
     procs: list[Any] = field(default_factory=list)
 
-    def start(self, fn: Callable[..., Any], world: int, args: tuple, threads: int | None = None) -> None:
+    def start(self, fn: Callable[..., Any], world: int, args: tuple, threads: int | None = None,
+              name: str = "trainer") -> None:
         threads = rank_threads(world) if threads is None else threads
         ctx = mp.get_context("spawn")
         port = free_port()
         for rank in range(world):
-            proc = ctx.Process(target=_rank_entry, args=(rank, world, port, threads, fn, args), name=f"trainer-rank{rank}")
+            proc = ctx.Process(target=_rank_entry, args=(rank, world, port, threads, fn, args), name=f"{name}-rank{rank}")
             proc.start()
             self.procs.append(proc)
 
@@ -314,12 +315,14 @@ class LocalBackend:
         wait_healthy(server, self.cfg.launch.health_timeout)
         return server.url
 
-    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple, name: str = "trainer") -> None:
+        """``world`` processes running ``fn(*args)`` with the torch.distributed variables of
+        rank r of ``world`` (LOCAL_RANK r: on GPUs, GPU r); ``name``: the trainer, or an SFT stage."""
         # each embedded server rank runs one torch thread (start_servers' default); each vLLM
         # or SGLang server rank generate.cpu_threads
         g = self.cfg.generate
         busy = len(self.servers) * g.tp * (1 if g.backend == "embedded" else g.cpu_threads)
-        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy))
+        self.ranks.start(fn, world, args, threads=rank_threads(world, busy_cores=busy), name=name)
 
     def wait(self) -> int:
         return self.ranks.wait(tick=self.keeper.check if self.keeper is not None else None)

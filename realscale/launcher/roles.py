@@ -1,8 +1,9 @@
 """Entry points of the processes a launcher starts on the nodes (``realscale rank``).
 
 - :func:`trainer_rank`: one trainer rank, under ``srun``, ``torchrun`` or ``mpirun``
-  (or alone): derive the torch.distributed environment, then ``rank_main`` of the run
-  spec.
+  (or alone): derive the torch.distributed environment, then the spec's entry with the
+  spec's arguments: ``rank_main`` (the RL loop), or one rank of an SFT stage
+  (:func:`realscale.sft.sft_rank`).
 - :func:`generation_server`: one generation server (the step ``rs-server<i>``, or task i
   of a step): bind a free port on this node (never its dead predecessor's, when it is a
   restart), write ``<url_dir>/<i>.url``, serve (embedded server, or exec
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, MutableMapping
 from urllib.parse import urlsplit
 
+from realscale.errors import UserError
 from realscale.launcher.dist_env import DistEnv, derive, job_key, rendezvous
 from realscale.launcher.local import check_engine, engine_command, rank_threads
 from realscale.launcher.spec import RunSpec, launch_dir
@@ -86,10 +88,18 @@ def whereabouts(env: Mapping[str, str] = os.environ) -> str:
             f"gloo interface {env.get('GLOO_SOCKET_IFNAME') or 'by host name'})")
 
 
-def trainer_rank(spec_path: str, rank_entry: Callable[[dict[str, Any], str, list[str], str], None]) -> int:
-    """Run one trainer rank of the run described by ``spec_path`` (``rank_entry``:
-    :func:`realscale.trainer.rank_main`, passed in by the command)."""
+RankEntry = Callable[[dict[str, Any], str, list[str], str], None]
+
+
+def trainer_rank(spec_path: str, entries: Mapping[str, RankEntry]) -> int:
+    """Run one rank of the job described by ``spec_path``: the entry the spec names, from
+    ``entries`` (``module:function`` -> function: :func:`realscale.trainer.rank_main` and
+    :func:`realscale.sft.sft_rank`, passed in by the command; an unknown name is a
+    one-line error before anything starts)."""
     spec = RunSpec.load(spec_path)
+    if spec.entry not in entries:
+        raise UserError(f"{spec_path}: entry {spec.entry!r} is not one of {', '.join(sorted(entries))}")
+    rank_entry = entries[spec.entry]
     denv = bootstrap(spec.out_dir)
     print(f"realscale rank {denv.rank}/{denv.world_size} (local {denv.local_rank}/{denv.local_world_size}) on "
           f"{whereabouts()}, master {denv.master_addr}:{denv.master_port}", flush=True)

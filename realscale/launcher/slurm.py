@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from realscale.errors import LaunchError
 from realscale.launcher.dist_env import slurm_hostnames
 from realscale.launcher.restart import ServerKeeper
-from realscale.launcher.spec import RunSpec, launch_dir, spec_path
+from realscale.launcher.spec import RunSpec, entry_name, launch_dir, spec_path
 from realscale.planner.plan import Plan
 
 if TYPE_CHECKING:
@@ -107,13 +107,22 @@ def allocation_slots(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.
     return len(nodes) * per_node, f"CPUs in the job ({len(nodes)} nodes)", False
 
 
-def placement(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ) -> Placement:
+def placement(cfg: Config, nodes: list[str], env: Mapping[str, str] = os.environ,
+              ranks_only: bool = False) -> Placement:
     """Place servers and ranks on the job's nodes: from the plan on GPU jobs, everywhere
     (servers first) on CPU jobs, or from the plan on CPU jobs across nodes (its meshes
     over the job's CPUs, node by node). A plan must fit the allocation (the rule of
-    :mod:`realscale.planner.validate`, the same as the local backend's)."""
+    :mod:`realscale.planner.validate`, the same as the local backend's). ``ranks_only``:
+    a job of ranks and no servers (an SFT stage): on the plan's ``actor_train`` nodes, or
+    without a plan on as many of the job's nodes as its ranks fill, one GPU each."""
     world = cfg.parallel.world_size
-    servers = 0 if cfg.parallel.mode == "colocated" else cfg.generate.num_servers  # colocated: the ranks generate
+    # colocated: the ranks generate
+    servers = 0 if cfg.parallel.mode == "colocated" or ranks_only else cfg.generate.num_servers
+    if ranks_only and cfg.launch.gpus_per_node and not cfg.parallel.plan:
+        need = -(-world // cfg.launch.gpus_per_node)
+        if need > len(nodes):
+            raise _too_few_nodes(need, nodes)
+        return Placement([], 0, 0, nodes[:need], world, 1)
     if cfg.launch.gpus_per_node == 0:
         _check_fits(cfg, nodes, env)
         if cfg.parallel.plan and len(nodes) > 1 and cfg.parallel.mode != "colocated":
@@ -311,7 +320,9 @@ def server_node(i: int, nodes: list[str], servers: int, per_node: int) -> str:
 class SlurmBackend:
     """Servers and ranks as job steps of the current allocation."""
 
-    def __init__(self, cfg: Config, out_dir: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, cfg: Config, out_dir: str, env: Mapping[str, str] | None = None,
+                 ranks_only: bool = False) -> None:
+        """``ranks_only``: a job step of ranks and no servers (an SFT stage, :func:`placement`)."""
         self.cfg, self.out_dir = cfg, os.path.abspath(out_dir)
         self.env = dict(os.environ if env is None else env)
         self.env.update(cfg.launch.nccl)
@@ -322,8 +333,8 @@ class SlurmBackend:
         if shutil.which("srun") is None:
             raise LaunchError("launch.backend=slurm but srun is not on PATH")
         self.nodes = job_nodes(self.env)
-        self.place = placement(cfg, self.nodes, self.env)
-        if len(self.nodes) > 1 and cfg.generate.host in ("127.0.0.1", "localhost"):
+        self.place = placement(cfg, self.nodes, self.env, ranks_only)
+        if self.place.servers and len(self.nodes) > 1 and cfg.generate.host in ("127.0.0.1", "localhost"):
             raise LaunchError(f"generate.host={cfg.generate.host} is reachable only on its own node; a "
                               f"{len(self.nodes)}-node job needs generate.host=0.0.0.0")
         self.logs = os.path.join(self.out_dir, "logs")
@@ -396,17 +407,21 @@ class SlurmBackend:
                 return url
             time.sleep(0.25)
 
-    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple) -> None:
-        """``fn`` is ``rank_main``, which ``realscale rank`` calls in each task; ``args`` are
-        its arguments, handed over in the run spec."""
+    def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple, name: str = "trainer") -> None:
+        """One step ``rs-<name>`` of ``world`` tasks, each ``realscale rank``, which calls
+        ``fn`` (``rank_main``, or ``sft_rank`` for ``name="sft"``; named in the spec) with
+        ``args`` (config, model dir, server URLs, out dir), handed over in the run spec.
+        The trainer's tasks log to ``logs/rank<i>.log``, another job's to ``logs/<name>-rank<i>.log``."""
         cfg_dict, model_dir, urls, out_dir = args
-        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, list(urls)).save(spec_path(self.out_dir))
+        spec = RunSpec(cfg_dict, _abs_if_dir(model_dir), self.out_dir, list(urls), entry=entry_name(fn)).save(
+            spec_path(self.out_dir, "" if name == "trainer" else name))
         p = self.place
-        cmd = srun_command("rs-trainer", p.train_nodes[:world], world, os.path.join(self.logs, "rank%t.log"),
+        log = "rank%t.log" if name == "trainer" else f"{name}-rank%t.log"
+        cmd = srun_command(f"rs-{name}", p.train_nodes[:world], world, os.path.join(self.logs, log),
                            _rank_argv(spec), gpus_per_task=p.gpus_per_rank, overlap=p.overlap,
                            cpus_per_task=self.cfg.launch.cpus_per_task,
                            tasks_per_node=self.cfg.launch.gpus_per_node if p.gpus_per_rank else 0)
-        self.ranks = start_step("trainer", cmd, os.path.join(self.logs, "srun-trainer.log"), self.env)
+        self.ranks = start_step(name, cmd, os.path.join(self.logs, f"srun-{name}.log"), self.env)
 
     def wait(self, poll: float = 0.5) -> int:
         """Until the trainer step ends: its exit code. A server step that dies is started

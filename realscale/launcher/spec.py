@@ -4,6 +4,7 @@ Every role of a run finds what it needs under ``<run dir>/launch/`` (on storage 
 node shares, see :mod:`realscale.launcher.slurm`):
 
 ``spec.json``           the run's spec: resolved config, model dir, server URLs, out dir
+``sft-spec.json``       the same for the ranks of an SFT stage (the warm start, ``realscale sft``)
 ``servers-spec.json``   the same for the generation-server steps (with where their URLs go)
 ``servers/<key>/<i>.url``  generation server i's URL, written by the server itself once bound
 ``servers/roster.json`` the servers of the run now, restarts included (realscale/inference/roster.py)
@@ -19,7 +20,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+# The function a rank runs when a spec names none (specs written before ``entry`` existed).
+TRAINER_ENTRY = "realscale.trainer:rank_main"
+
+
+def entry_name(fn: Callable[..., Any]) -> str:
+    """``module:function`` of a rank's entry point, as a spec names it."""
+    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 @dataclass
@@ -31,6 +40,7 @@ class RunSpec:
     out_dir: str
     server_urls: list[str] = field(default_factory=list)
     url_dir: str = ""  # where servers write their URL files (this launch's)
+    entry: str = TRAINER_ENTRY  # what each rank runs (entry_name): the RL loop, or an SFT stage
 
     def save(self, path: str) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -2,13 +2,15 @@
 
 1. **prepare**: apply the plan (``parallel.plan``), resolve the config and write it into
    the run directory, make the policy model (the ``realscale sft`` warm start when the
-   recipe asks for it), evaluate it on the held-out split.
+   recipe asks for it: its ranks started by the same backend as the trainer's),
+   evaluate it on the held-out split.
 2. **start**: the generation servers, then the trainer ranks (``rank_main`` of
    :mod:`realscale.trainer`) through a backend: local processes, or Slurm job steps inside an allocation.
 3. **watch**: one failing process stops the others; SIGUSR1 (Slurm's notice before the
    time limit, or a pre-emption) asks the ranks to checkpoint and exit, then the job is
    requeued; SIGTERM / Ctrl-C stop everything.
-4. **report**: export the last checkpoint to HF, evaluate it, plot, print a summary.
+4. **report**: evaluate the HF export the trainer ranks wrote after the last step
+   (``<run>/final``; a run that finished without one fails, loudly), plot, print a summary.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
-from realscale.config import Config, config_from_dict, run_dir, save_config
+from realscale.config import Config, run_dir, save_config
 from realscale.errors import LaunchError
 from realscale.eval import evaluate_heldout
 from realscale.inference.sglang_launcher import check_sglang_version
-from realscale.launcher import Backend, backend_for, clear_stop, request_stop, served, stop_reason
+from realscale.launcher import Backend, backend_for, clear_stop, ranks_backend, request_stop, served, stop_reason
 from realscale.metrics import MetricsLogger, plot_run, summary_text
-from realscale.parallel.spawn import run_distributed
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
-from realscale.train.checkpoint import checkpoint_name, disk_usage, latest_checkpoint
+from realscale.train.checkpoint import checkpoint_name, disk_usage, final_dir, latest_checkpoint, read_final_export
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -68,7 +69,11 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: request_stop(out_dir, "requeue"))
     save_config(cfg, out_dir)
     t0 = time.time()
-    model_dir = prepare_policy_model(cfg, out_dir)
+    try:
+        model_dir = prepare_policy_model(cfg, out_dir, ranks_backend)
+    except LaunchError as exc:  # a rank of the warm start failed: its traceback is in its log
+        print(f"realscale: {exc}", flush=True)
+        return 1
     if cfg.algo.kl_coef:  # a reference of another architecture: one line now, not a rank's traceback later
         from realscale.train.reference import reference_model_dir  # (imports torch)
 
@@ -108,8 +113,11 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     if code != 0:
         print(f"realscale: a process of the run failed (exit code {code}); logs under {out_dir}")
         return code
-    final_dir = os.path.join(out_dir, "final")
-    acc_end = _final_accuracy(cfg, out_dir, final_dir)
+    try:
+        acc_end = _final_accuracy(cfg, out_dir)
+    except LaunchError as exc:
+        print(f"realscale: {exc}", flush=True)
+        return 1
     hist_path = os.path.join(out_dir, "staleness_hist.json")
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
     extra = {"total time": f"{time.time() - t0:.0f} s"}
@@ -158,15 +166,18 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _final_accuracy(cfg: Config, out_dir: str, final_dir: str) -> dict[str, float] | None:
-    """Export the last checkpoint to HF (``<run>/final``) and evaluate it on the held-out split."""
-    ckpt = latest_checkpoint(out_dir)
-    if ckpt is None:
+def _final_accuracy(cfg: Config, out_dir: str) -> dict[str, float] | None:
+    """The held-out evaluation of the trainer ranks' HF export of the last step
+    (``<run>/final``); LaunchError when the ranks finished without writing it."""
+    if latest_checkpoint(out_dir) is None:
         return None
-
-    run_distributed(_export_final, cfg.parallel.tp * cfg.parallel.pp, asdict(cfg), ckpt, final_dir,
-                    prepare_policy_model(cfg, out_dir), timeout=1200)
-    return _heldout(cfg, final_dir, os.path.join(out_dir, "eval_final"))
+    record = read_final_export(out_dir)
+    if record is None or record.get("step") != cfg.run.total_steps:
+        held = "none" if record is None else f"one of step {record.get('step')}"
+        raise LaunchError(f"the trainer ranks finished without exporting step {cfg.run.total_steps} to "
+                          f"{final_dir(out_dir)} ({held}); the checkpoint {latest_checkpoint(out_dir)} is intact: "
+                          "run the same command again to export it")
+    return _heldout(cfg, final_dir(out_dir), os.path.join(out_dir, "eval_final"))
 
 
 def _heldout(cfg: Config, model_dir: str, out_dir: str) -> dict[str, float] | None:
@@ -176,12 +187,3 @@ def _heldout(cfg: Config, model_dir: str, out_dir: str) -> dict[str, float] | No
     with served(cfg, model_dir, out_dir) as urls:
         return evaluate_heldout(cfg, model_dir, out_dir, urls)
 
-
-def _export_final(cfg_dict: dict[str, Any], ckpt: str, final_dir: str, model_dir: str) -> None:
-    from realscale.train.engine import EngineConfig, MegatronEngine
-
-    cfg = config_from_dict(cfg_dict)
-    cfg.parallel.dp = 1
-    eng = MegatronEngine(EngineConfig.from_config(cfg, model_dir, train=False))
-    eng.load(ckpt)
-    eng.save_hf(final_dir)

@@ -6,6 +6,7 @@ Layout of a run directory::
     checkpoints/step000010/     engine.save(): model + optimizer shards, extra state
     checkpoints/step000010/critic/   the value model's, the same way (PPO with GAE)
     latest_checkpoint           the path of the newest *complete* checkpoint
+    final/                      the HF export at the end of training (export.json: its step)
     metrics.jsonl               one record per step
     trained_uids.jsonl          which prompts each step trained on
 
@@ -20,6 +21,13 @@ the newest ``run.keep_checkpoints`` checkpoints, never one that is pinned
 its partial directory and raises :class:`CheckpointError`; the pointer still names the
 previous checkpoint, which stays loadable. :func:`disk_usage` measures the run directory
 for the metrics and the summary.
+
+The end-of-run export (:func:`export_final`) is made by the trainer ranks themselves
+after the last step, on their own devices and backend (NCCL gathers on GPUs), every rank
+taking part in the gathers, not by a separate job; it is written under a temporary name
+and renamed whole, with ``export.json`` saying which step it holds and which ranks made
+it. The supervisor evaluates it only if that record names the run's last step
+(:func:`read_final_export`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
 
 LATEST = "latest_checkpoint"
+FINAL = "final"
+FINAL_RECORD = "export.json"
 PIN_FILE = "PIN"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -192,6 +202,42 @@ def truncate_logs(out_dir: str, last_step: int) -> None:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(keep)
         os.replace(tmp, path)
+
+
+def final_dir(out_dir: str) -> str:
+    """Where the run's end-of-training HF export goes."""
+    return os.path.join(out_dir, FINAL)
+
+
+def export_final(engine: "MegatronEngine", out_dir: str, step: int) -> str:
+    """Write the trained weights as an HF directory, ``<run>/final``: a collective of every
+    trainer rank (the tensor- and pipeline-parallel gathers run on the ranks' own backend
+    and devices); rank 0 writes, into ``final.tmp`` renamed whole, with ``export.json``
+    (the step, the world and backend that made it, the layout). Returns the directory."""
+    import torch.distributed as dist  # (torch: this module has none at the top)
+
+    final = final_dir(out_dir)
+    tmp = final + ".tmp"
+    driver = dist.get_rank() == 0
+    if driver:
+        shutil.rmtree(tmp, ignore_errors=True)  # an export cut short earlier
+    engine.save_hf(tmp)
+    if driver:
+        record = {"step": step, "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
+                  "layout": {"tp": engine.ec.tp, "pp": engine.ec.pp, "dp": engine.ranks.dp}}
+        _atomic_write(os.path.join(tmp, FINAL_RECORD), json.dumps(record, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final
+
+
+def read_final_export(out_dir: str) -> dict[str, Any] | None:
+    """The record of the run's end-of-training export, or None when there is none."""
+    try:
+        with open(os.path.join(final_dir(out_dir), FINAL_RECORD), encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
 
 
 def _atomic_write(path: str, text: str) -> None:

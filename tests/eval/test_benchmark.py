@@ -29,12 +29,13 @@ def bench(tmp_path_factory):
     from realscale.eval import generate_completions
     from realscale.eval.benchmark import encode_prompt
     from realscale.reward.math_extract import extract_answer
+    from realscale.launcher import ranks_backend
     from realscale.sft import run_sft
     from realscale.tasks.arith import task_from_config
 
     out = tmp_path_factory.mktemp("bench")
     cfg = load_config(None, [*SFT, f"run.output_dir={out}", "run.name=m"])
-    model = run_sft(cfg, timeout=300).model_dir
+    model = run_sft(cfg, ranks_backend).model_dir
     tok = AutoTokenizer.from_pretrained(model)
     problems = task_from_config(cfg.data).split("heldout")[:24]
     texts = generate_completions(model, [encode_prompt(tok, p.prompt) for p in problems], max_new_tokens=8)

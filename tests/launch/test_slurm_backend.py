@@ -183,3 +183,41 @@ def test_a_multi_node_cpu_job_asks_for_tasks_per_node() -> None:
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in two and "--ntasks=" not in two
     one = render_sbatch("t", "r.yaml", [], load_config(recipe))
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks=2\n" in one and "ntasks-per-node" not in one
+
+
+def test_an_sft_stage_is_a_step_of_ranks_named_in_its_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``realscale sft`` (and the warm start) inside an allocation: its ranks are one job
+    step ``rs-sft`` on the trainer's nodes, a GPU each, whose tasks run ``realscale rank``
+    with a spec naming the SFT entry; no server step, and no plan needed on a GPU job."""
+    from realscale.launcher import slurm
+    from realscale.launcher.roles import trainer_rank
+    from realscale.launcher.spec import RunSpec, entry_name
+    from realscale.sft import sft_rank
+
+    cfg = load_config(str(REPO / "configs" / "qwen_14b_code.yaml"), ["parallel.plan=", "parallel.dp=2",
+                                                                     "parallel.tp=4", "parallel.pp=2"])
+    p = placement(cfg, ["g1", "g2", "g3"], ranks_only=True)  # 16 ranks, 8 GPUs a node: 2 nodes
+    assert (p.servers, p.server_nodes, p.train_nodes, p.ranks, p.gpus_per_rank) == (0, [], ["g1", "g2"], 16, 1)
+    with pytest.raises(LaunchError, match="the plan needs 2 nodes, the job has 1"):
+        placement(cfg, ["g1"], ranks_only=True)
+    started: list[tuple[str, list[str], str]] = []
+    monkeypatch.setattr(slurm, "start_step", lambda name, cmd, log, env: started.append((name, cmd, log)))
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/srun" if name == "srun" else None)
+    out = tmp_path / "sft"
+    backend = slurm.SlurmBackend(cfg, str(out), env={"SLURM_JOB_NODELIST": "g[1-2]", "SLURM_JOB_ID": "7"},
+                                 ranks_only=True)
+    backend.start_ranks(sft_rank, 16, ({"sft": {}}, "base", [], str(out)), name="sft")
+    (name, cmd, log), = started
+    assert name == "sft" and log.endswith("srun-sft.log")
+    for opt in ("--job-name=rs-sft", "--ntasks=16", "--nodelist=g1,g2", "--gpus-per-task=1", "--exact",
+                "--ntasks-per-node=8", f"--output={out}/logs/sft-rank%t.log"):
+        assert opt in cmd, (opt, cmd)
+    spec_file = cmd[cmd.index("--spec") + 1]
+    assert spec_file == str(out / "launch" / "sft-spec.json")
+    spec = RunSpec.load(spec_file)
+    assert (spec.entry, spec.model_dir, spec.server_urls, spec.out_dir) == ("realscale.sft:sft_rank", "base", [],
+                                                                            str(out))
+    assert entry_name(sft_rank) == spec.entry
+    # `realscale rank` runs only an entry it knows, and says so before anything starts
+    with pytest.raises(ValueError, match=r"entry 'realscale\.sft:sft_rank' is not one of realscale\.trainer:rank_main"):
+        trainer_rank(spec_file, {"realscale.trainer:rank_main": print})

@@ -21,11 +21,12 @@ OVERRIDES = ["sft.hidden_size=32", "sft.num_layers=1", "sft.num_heads=2", "sft.n
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
+    from realscale.launcher import ranks_backend
     from realscale.sft import run_sft
 
     out = tmp_path_factory.mktemp("sft")
     cfg = load_config(None, [*OVERRIDES, f"run.output_dir={out}", "run.name=t"])
-    return cfg, run_sft(cfg, timeout=300)
+    return cfg, run_sft(cfg, ranks_backend)
 
 
 def _answer_nll(model_dir: str, cfg) -> float:

@@ -70,16 +70,19 @@ def _hf_nll(model_dir: str, n: int = 6) -> float:
 
 @pytest.mark.multiproc
 def test_loss_falls_on_real_data_and_two_dp_ranks_match_one(tmp_path: Path) -> None:
+    from realscale.launcher import ranks_backend
     from realscale.sft import run_sft
 
     runs = {}
     for dp in (1, 2):
         cfg = load_config(None, [*MODEL, "sft.steps=6", f"parallel.dp={dp}", f"run.output_dir={tmp_path}",
                                  f"run.name=dp{dp}"])
-        runs[dp] = run_sft(cfg, timeout=600)
+        runs[dp] = run_sft(cfg, ranks_backend)
     one, two = runs[1], runs[2]
     assert one.heldout_accuracy is None and one.stages[0]["examples"] == 60 and one.stages[0]["refused"] == {}
     assert one.last_loss < 0.9 * one.first_loss
+    # each stage's ranks came from the launcher (its dist env), on the backend device.py picks
+    assert [(r.stages[0]["world_size"], r.stages[0]["backend"]) for r in (one, two)] == [(1, "gloo"), (2, "gloo")]
     # same global batches, token-mean loss over both ranks: the same training
     losses1 = json.load(open(os.path.join(one.model_dir, "sft.json")))["losses"]
     losses2 = json.load(open(os.path.join(two.model_dir, "sft.json")))["losses"]
@@ -90,11 +93,12 @@ def test_loss_falls_on_real_data_and_two_dp_ranks_match_one(tmp_path: Path) -> N
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_stage_recipe_from_one_call(tmp_path: Path) -> None:
+    from realscale.launcher import ranks_backend
     from realscale.sft import run_sft
 
     cfg = load_config(None, [*MODEL, "sft.steps=3", f"run.output_dir={tmp_path}", "run.name=st",
                              "sft.stages=[{name: short, max_seq_len: 600}, {max_seq_len: 1200, steps: 4}]"])
-    res = run_sft(cfg, timeout=600)
+    res = run_sft(cfg, ranks_backend)
     short, full = res.stages
     assert short["dir"].endswith(os.path.join("sft", "short")) and full["dir"] == res.model_dir
     assert short["steps"] == 3 and full["steps"] == 4 and res.steps == 7

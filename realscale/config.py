@@ -269,11 +269,13 @@ class GenerateConfig:
     cpu_threads: int = knob(1, "vLLM or SGLang on CPU: OpenMP threads per server rank (OMP_NUM_THREADS).")
     vllm_kv_cache_mb: int = knob(1024, "vLLM on CPU: KV-cache memory per server rank, MiB (--kv-cache-memory-bytes).")
     vllm_enforce_eager: bool = knob(False, "vLLM: run the model eagerly (--enforce-eager): no torch.compile at start-up, slower decode.")
+    vllm_weight_engine: str = knob("broadcast", "vLLM: weight-transfer engine for generate.weight_update=distributed. broadcast: trainer rank 0 gathers full tensors and broadcasts them (vLLM's nccl on GPUs, realscale's gloo twin on CPU); m2n: every trainer rank sends its local shards straight to the workers that need them, no gather (vLLM's nccl_m2n on GPUs, which needs NVIDIA's nccl-extensions and a trainer without pipeline parallelism; realscale's gloo_m2n twin on CPU, any layout).")
 
     def __post_init__(self) -> None:
         _one_of("generate", "backend", self.backend, ("embedded", "sglang", "vllm"))
         _positive("generate", "cpu_threads", self.cpu_threads)
         _positive("generate", "vllm_kv_cache_mb", self.vllm_kv_cache_mb)
+        _one_of("generate", "vllm_weight_engine", self.vllm_weight_engine, ("broadcast", "m2n"))
         if self.backend == "vllm" and (self.top_p < 1.0 or self.top_k > 0):
             raise ConfigError(f"generate.backend=vllm with top_p={self.top_p}, top_k={self.top_k}: vLLM reports "
                               "log-probs after top-k/top-p truncation, the trainer before it; set top_p=1 and "

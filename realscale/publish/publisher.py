@@ -68,5 +68,5 @@ def transport_for(cfg: "Config", out_dir: str) -> WeightTransport:
     if cfg.generate.backend == "embedded":
         return ReshardTransport(backend(cfg.parallel.backend))
     if cfg.generate.backend == "vllm":
-        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl"))
+        return VllmEngineTransport(weight_engine(backend(cfg.parallel.backend) == "nccl", cfg.generate.vllm_weight_engine))
     return BroadcastTransport(backend(cfg.parallel.backend), pause_mode=cfg.generate.pause_mode)

@@ -1,11 +1,14 @@
-"""vLLM servers: vLLM's own trainer-side weight-transfer engine (``nccl`` on GPUs,
-realscale's ``gloo`` twin on CPU), driven through :class:`VllmSyncClient`."""
+"""vLLM servers: vLLM's own trainer-side weight-transfer engine (broadcast: ``nccl`` on
+GPUs, realscale's ``gloo`` twin on CPU; shard to shard: ``nccl_m2n`` on GPUs, realscale's
+``gloo_m2n`` twin on CPU), driven through :class:`VllmSyncClient`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from realscale.inference.vllm_plugin import register
 from realscale.parallel.net import advertise_host, free_port
@@ -33,6 +36,7 @@ class VllmSyncClient:
         self.members: list[str] = []  # servers of the current weight group, in rank order
         self.version: Any = None  # set by the transport before each round
         self.timeout = timeout
+        self.trainer_ranks = 1  # ranks of the group before the workers (m2n: every trainer rank)
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -40,7 +44,14 @@ class VllmSyncClient:
         return {s.url: s.ranks for s in self.control.servers}
 
     def world_size(self, urls: list[str]) -> int:
-        return 1 + sum(self.ranks[u] for u in urls)
+        return self.trainer_ranks + sum(self.ranks[u] for u in urls)
+
+    def destination_mesh(self, urls: list[str]) -> tuple[int, int]:
+        """The workers as vLLM's m2n destination mesh (axis 0 replicates, axis 1 shards:
+        ``m2n_common.py:33-36``): one row per server when they all have the same ranks (a
+        server's tp ranks shard), else one flat replicated axis."""
+        sizes = {self.ranks[u] for u in urls}
+        return (len(urls), sizes.pop()) if len(sizes) == 1 else (sum(self.ranks[u] for u in urls), 1)
 
     def _fan_out(self, path: str, body_of: Any) -> None:
         async def go(client: InferenceClient) -> None:
@@ -54,8 +65,13 @@ class VllmSyncClient:
         for u in self.members:
             offsets[u] = first
             first += self.ranks[u]
-        self._fan_out("/init_weight_transfer_engine",
-                      lambda i, u: {"init_info": {**init_info, "rank_offset": offsets[u]}})
+        if "src_mesh_dims" not in init_info:  # broadcast engines: each server's own offset
+            body = lambda i, u: {"init_info": {**init_info, "rank_offset": offsets[u]}}
+        elif len(self.members) == 1:  # m2n, one server: vLLM's protocol exactly
+            body = lambda i, u: {"init_info": init_info}
+        else:  # m2n: rank_offset is where the destination mesh starts; gloo_m2n's extension places each server
+            body = lambda i, u: {"init_info": {**init_info, "first_worker_rank": offsets[u]}}
+        self._fan_out("/init_weight_transfer_engine", body)
 
     def start_weight_update(self) -> None:
         self._fan_out("/start_weight_update", lambda i, u: {})
@@ -76,47 +92,76 @@ class VllmEngineTransport(WeightTransport):
     """vLLM's weight-transfer protocol, driven by vLLM's own trainer-side engine.
 
     Every trainer rank builds the engine (``WeightTransferTrainerFactory.trainer_init``) and
-    calls ``send_weights`` each step: rank 0 hosts a group of 1 + every worker of every
-    server (server *i*'s workers join at ``1 + ranks of servers before it + their rank``)
-    and broadcasts HF-named full tensors; the other ranks replay the export (its gathers
-    are collectives). The control calls (init, start, update concurrently with the
-    broadcast, finish with the new version) go through
-    :class:`realscale.publish.vllm.VllmSyncClient`. ``engine_name`` is ``nccl`` on
-    GPUs and ``gloo`` on CPU: the same code path, only the group differs. A server that
-    stopped answering is retired by the client and the group rebuilt among the others
-    before the next round (a collective with a dead member never completes)."""
+    calls ``send_weights`` each step. Broadcast engines (``nccl`` on GPUs, ``gloo`` on CPU):
+    rank 0 hosts a group of 1 + every worker of every server (server *i*'s workers join at
+    ``1 + ranks of servers before it + their rank``) and broadcasts HF-named full tensors;
+    the other ranks replay the export (its gathers are collectives). Shard-to-shard engines
+    (``nccl_m2n`` / ``gloo_m2n``, ``generate.vllm_weight_engine=m2n``): every trainer rank
+    joins a group of T + every worker and sends its local shards
+    (:class:`realscale.publish.vllm_source.MegatronShardSource`); rank 0 tells the others
+    where the group is. The control calls (init, start, update concurrently with the
+    sends, finish with the new version) go through
+    :class:`realscale.publish.vllm.VllmSyncClient`. A server that stopped answering is
+    retired by the client and the group rebuilt among the others before the next round
+    (a collective with a dead member never completes)."""
 
     def __init__(self, engine_name: str, bucket_bytes: int = 64 << 20) -> None:
         self.engine_name = engine_name
+        self.m2n = engine_name.endswith("_m2n")
         self.bucket_bytes = bucket_bytes
         self.source: Any = None
         self.client: VllmSyncClient | None = None
         self.trainer_engine: Any = None
+        self.trainer_ranks = 1
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
-        from realscale.publish.vllm_source import MegatronWeightSource
+        from realscale.publish.vllm_source import MegatronShardSource, MegatronWeightSource
 
         register()
-        self.source = MegatronWeightSource(engine, self.bucket_bytes)
+        if self.m2n:
+            if self.engine_name == "nccl_m2n" and engine.ranks.pp > 1:
+                raise ValueError("vLLM's nccl_m2n describes every parameter over one trainer mesh of all ranks "
+                                 "(vllm/distributed/weight_transfer/m2n_engine.py:204-211), which a pipeline "
+                                 f"stage's parameters are not (pp={engine.ranks.pp}): use "
+                                 "generate.vllm_weight_engine=broadcast with pipeline parallelism on GPUs")
+            self.source = MegatronShardSource(engine)
+            self.trainer_ranks = _world()
+        else:
+            self.source = MegatronWeightSource(engine, self.bucket_bytes)
         if control is not None:
             self.client = VllmSyncClient(control)
+            self.client.trainer_ranks = self.trainer_ranks
             self._open(control.run(lambda c: c.update_targets()))
+        elif self.m2n:
+            self._join(_share(None))
         else:
             self.trainer_engine = self._trainer_init(rank=_rank(), world_size=0, port=0)
 
-    def _trainer_init(self, rank: int, world_size: int, port: int) -> Any:
+    def _trainer_init(self, rank: int, world_size: int, port: int, address: str | None = None,
+                      dst_mesh: tuple[int, int] | None = None) -> Any:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        info = _trainer_init_info(self.engine_name, rank=rank, master_address=advertise_host(),
-                                  master_port=port, world_size=world_size)
+        info = _trainer_init_info(self.engine_name, rank=rank, master_address=address or advertise_host(),
+                                  master_port=port, world_size=world_size, num_trainer_ranks=self.trainer_ranks,
+                                  dst_mesh_dims=dst_mesh)
         return WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def _open(self, urls: list[str]) -> None:
-        """Rank 0: a new weight group among the servers at ``urls``."""
+        """Rank 0: a new weight group among the servers at ``urls`` (m2n: the other trainer
+        ranks are told where, and join it too)."""
 
         self.client.members = list(urls)
-        self.trainer_engine = self._trainer_init(rank=0, world_size=self.client.world_size(urls),
-                                                 port=free_port())
+        group = {"world_size": self.client.world_size(urls), "port": free_port(), "address": advertise_host(),
+                 "dst_mesh": self.client.destination_mesh(urls) if self.m2n else None}
+        if self.m2n:
+            _share(group)
+            self._join(group)
+        else:
+            self.trainer_engine = self._trainer_init(rank=0, world_size=group["world_size"], port=group["port"])
+
+    def _join(self, group: dict[str, Any]) -> None:
+        self.trainer_engine = self._trainer_init(rank=_rank(), world_size=group["world_size"], port=group["port"],
+                                                 address=group["address"], dst_mesh=tuple(group["dst_mesh"]))
 
     def _regroup(self, urls: list[str]) -> None:
         logging.getLogger(__name__).warning("vLLM weight group %s -> %s: rebuilding it", self.client.members, urls)
@@ -132,10 +177,20 @@ class VllmEngineTransport(WeightTransport):
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
         if control is not None:
             urls = control.run(lambda c: c.update_targets())
-            if urls != self.client.members:
+            changed = urls != self.client.members
+            if self.m2n:
+                _share(changed)
+            if changed:
                 self._regroup(urls)
             self.client.version = version
+        elif self.m2n and _share(None):  # rank 0 rebuilds the group: join the new one
+            self.trainer_engine.shutdown()
+            self._join(_share(None))
         self.trainer_engine.send_weights()
+        if self.m2n:
+            delivered, bound = sum_over_ranks([self.trainer_engine.bytes_sent,
+                                                self.trainer_engine.lower_bound_bytes() if control is not None else 0])
+            return SyncStats(bytes=delivered, lower_bound=bound)
         if control is None:
             sum_over_ranks([0, 0])
             return SyncStats()
@@ -146,7 +201,7 @@ class VllmEngineTransport(WeightTransport):
 
     def close(self) -> None:
         """The servers leave the weight group too (a next trainer on them starts clean),
-        then rank 0's engine shuts down."""
+        then each rank's engine shuts down."""
         if self.client is not None and self.client.members:
             try:
                 self.client.shutdown_weight_transfer_engine()
@@ -156,9 +211,23 @@ class VllmEngineTransport(WeightTransport):
             self.trainer_engine.shutdown()
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _share(value: Any) -> Any:
+    """Rank 0's ``value`` on every trainer rank (m2n: where the group is, whether it is rebuilt)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _trainer_init_info(engine_name: str, *, rank: int, master_address: str, master_port: int,
-                       world_size: int) -> Any:
-    """vLLM's trainer init info for ``engine_name`` (rank 0 is the sender)."""
+                       world_size: int, num_trainer_ranks: int = 1, dst_mesh_dims: tuple[int, int] | None = None) -> Any:
+    """vLLM's trainer init info for ``engine_name`` (broadcast: rank 0 is the sender; m2n:
+    every trainer rank is in the group, ``[0, num_trainer_ranks)``)."""
     if engine_name == "gloo":
         from realscale.inference.vllm_gloo import GlooTrainerInitInfo
 
@@ -169,4 +238,12 @@ def _trainer_init_info(engine_name: str, *, rank: int, master_address: str, mast
 
         return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
                                    world_size=world_size, rank=rank)
-    raise ValueError(f"vLLM weight-transfer engine {engine_name!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+    if engine_name in ("gloo_m2n", "nccl_m2n"):
+        if engine_name == "gloo_m2n":
+            from realscale.inference.vllm_m2n import GlooM2NTrainerInitInfo as Info
+        else:  # GPU only (NVIDIA's nccl-extensions); not run on the CPU machine
+            from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo as Info
+        return Info(master_address=master_address, master_port=master_port, world_size=world_size, rank=rank,
+                    num_trainer_ranks=num_trainer_ranks, dst_mesh_dims=dst_mesh_dims)
+    raise ValueError(f"vLLM weight-transfer engine {engine_name!r}: expected gloo or gloo_m2n (CPU), "
+                     "nccl or nccl_m2n (GPU)")

@@ -223,3 +223,11 @@ def rejoin_restarted(cfg_dict: dict[str, Any], base_dir: str, new_dir: str, serv
     trained = _split(eng.logprobs(PackedBatch.from_sequences(seqs))["logprobs"], seqs)
     return {"retired": retired, "rotation": rotation, "served": [r.output_logprobs for r in results],
             "versions": [r.output_versions for r in results], "trained": [t[len(prompt):] for t in trained]}
+
+
+def hf_tensor_bytes(model_dir: str) -> dict[str, int]:
+    """Bytes of each tensor of an HF safetensors model directory."""
+    from realscale.models.convert import SafetensorsReader
+
+    reader = SafetensorsReader(model_dir)
+    return {n: (t := reader.get(n)).numel() * t.element_size() for n in reader.names()}

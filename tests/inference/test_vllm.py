@@ -222,3 +222,78 @@ def test_server_that_fails_to_start_names_its_log(tmp_path) -> None:
         start_engine_servers(str(bad), _gen_config(), str(tmp_path / "logs"), timeout=600)
     msg = str(err.value)
     assert "\n" not in msg and "exited with code" in msg and str(tmp_path / "logs" / "server0.log") in msg
+
+
+@pytest.fixture(scope="module")
+def m2n_server(models, tmp_path_factory):
+    """One two-worker (tp2) vLLM-CPU server started with realscale's ``gloo_m2n`` engine
+    (``generate.vllm_weight_engine=m2n``: an engine is chosen when a server starts,
+    ``gpu_worker.py:600``), and its workers' weights after loading the new model from disk
+    (``/collective_rpc save_sharded_state``: one safetensors file per worker rank,
+    ``gpu_worker.py:1455-1468``) as the reference a push must reproduce bit for bit."""
+    gen = _gen_config(tp=2, vllm_enforce_eager=True, vllm_weight_engine="m2n")
+    with cases.engine_servers(models[0], [gen], str(tmp_path_factory.mktemp("vllm_m2n_logs")), "vLLM server",
+                              1200) as s:
+        url = s[0][0]
+        asyncio.run(_load([url], models[1], 0))
+        yield url, _served_weights(url, str(tmp_path_factory.mktemp("m2n_reference")))
+
+
+def _served_weights(url, out_dir):
+    """Every worker's model state (vLLM's own layout: fused qkv / gate_up, tp shards)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    os.makedirs(out_dir, exist_ok=True)
+
+    async def save():
+        async with _client([url]) as c:
+            await c.post(url, "/collective_rpc", {"method": "save_sharded_state", "kwargs": {"path": out_dir}})
+
+    asyncio.run(save())
+    return {r: load_file(f"{out_dir}/model-rank-{r}-part-0.safetensors") for r in range(2)}
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_weight_update_shard_to_shard(m2n_server, models, tmp_path, tp, pp) -> None:
+    """Trainer layouts tp2, pp2, tp2 x pp2 push the new weights into the two-worker server
+    with vLLM's shard-to-shard protocol over realscale's gloo twin (``gloo_m2n``): every
+    trainer rank sends its local shards (no gather over tp, nothing down the pipeline).
+    Afterwards both workers' weights are bit-identical to the ones loading the new model
+    from disk gives, the server's tokens carry the new version and its log-probs equal the
+    trainer's, and the bytes moved are the plan's lower bound: each worker's destination
+    once. vLLM's destination rule (``m2n_layout.py:503-560``) reshards a checkpoint tensor
+    straight into a live tensor-parallel parameter only when that parameter still has a
+    known loader; on vLLM-CPU none does: the CPU GEMM dispatch prepacks every linear weight
+    and replaces ``layer.weight`` with an empty Parameter without ``weight_loader``
+    (``model_executor/layers/utils.py:470-590``, so ``m2n_layout.py:429-431`` answers
+    None), and the fused qkv/gate_up, vocab-parallel embeddings and norms are never direct.
+    So every tensor arrives whole on each of the two workers for ``load_weights``
+    (``m2n_engine.py:368-405``, the workers log "0/21 parameters resharded directly"): the
+    lower bound is two full copies, from the trainer's shards, with no gather."""
+    from dataclasses import asdict
+
+    import torch
+
+    from realscale.config import Config
+
+    url, reference = m2n_server
+    base, new = models
+    asyncio.run(_load([url], base, 0))
+    cfg = Config()
+    cfg.generate = _gen_config(tp=2, vllm_enforce_eager=True, vllm_weight_engine="m2n")
+    cfg.data.task_heldout = 20
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    out = run_distributed(cases.publish_to_servers, tp * pp, asdict(cfg), base, new, [(url, 2)], str(tmp_path),
+                          [5], PROMPTS[1], params, pp, timeout=900)[0]
+    served = _served_weights(url, str(tmp_path / "served"))
+    for rank in range(2):
+        assert served[rank].keys() == reference[rank].keys()
+        for name, t in reference[rank].items():
+            assert torch.equal(served[rank][name], t), (rank, name)
+    assert set(out["versions"][0]) == {5}
+    assert cases.max_diff(out["served"][0], out["trained"][0]) < TOL
+    stats = out["stats"][-1]
+    whole = stats["perf/weight_sync_bytes_lower_bound"]
+    assert stats["perf/weight_sync_bytes"] == whole == 2 * sum(cases.hf_tensor_bytes(new).values())

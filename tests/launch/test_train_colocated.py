@@ -88,3 +88,8 @@ def test_a_colocated_plan_trains_like_the_disaggregated_synchronous_run(tmp_path
             # (the kernel updates the peak lazily: it may trail a reading of the current RSS slightly)
             assert c[f"mem/peak_rss_mb_rank{rank}"] >= 0.99 * c[f"mem/rss_generate_mb_rank{rank}"] > 0
     assert colo[0]["train/grad_norm"] == pytest.approx(disagg[0]["train/grad_norm"], rel=1e-3)
+    # `realscale sft`'s ranks came from the launcher; both runs' trainer ranks exported their weights
+    assert json.loads((model / "sft_stage.json").read_text())["world_size"] == 1
+    for name in ("colocated", "disaggregated"):
+        record = json.loads((tmp_path / name / "final" / "export.json").read_text())
+        assert (record["step"], record["world_size"], record["layout"]["tp"]) == (2, 2, 2), name

@@ -42,6 +42,10 @@ def test_a_plan_runs_end_to_end_with_shard_to_shard_weight_sync(tmp_path: Path) 
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())  # the plan placed both roles
     assert (saved["parallel"]["dp"], saved["parallel"]["tp"], saved["parallel"]["pp"]) == (1, 2, 1)
     assert (saved["generate"]["num_servers"], saved["generate"]["tp"]) == (1, 2)
+    # the two tp=2 trainer ranks exported the final weights themselves, which the supervisor evaluated
+    record = json.loads((tmp_path / "r" / "final" / "export.json").read_text())
+    assert record == {"step": 2, "world_size": 2, "backend": "gloo", "layout": {"tp": 2, "pp": 1, "dp": 1}}
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["accuracy_end"]["greedy"] is not None
     metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "perf/weight_sync_bytes" in m]
     assert [m["step"] for m in steps] == [1, 2]

@@ -25,7 +25,8 @@ enters a user namespace of its own (its uid and gid mapped to themselves, setgro
 the capabilities to take the PID namespace and G those to build the same minimal root; G's
 ``execve`` as a non-zero uid then clears every capability. Limits are rlimits (the process
 cap counts the run's tasks in that user namespace, Linux >= 5.14) plus a cgroup only where
-one is delegated. J takes a user + network namespace of its own and drops its capabilities.
+one is delegated; without one C samples the run's resident memory (``run_rss``) and kills
+it above the limit. J takes a user + network namespace of its own and drops its capabilities.
 
 Why each piece: G is PID 1, so when it dies the kernel kills every process of the run and
 C's ``waitpid`` returns only once all of them are reaped (no daemon, no unreaped process
@@ -63,6 +64,8 @@ PR_SET_NO_NEW_PRIVS = 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 SETUP_FAILED = 126
 HERE = os.path.dirname(os.path.abspath(__file__))
+MEMORY_TICK_S = 0.02  # how often a user's sandbox samples the run's memory (no cgroup)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _HIGH_FD = 512  # fds are staged above this before being placed at 0..4
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -489,19 +492,42 @@ def _wait_or_kill(spec, g, ctl_r, deadline):
     poller.register(pidfd, select.POLLIN)
     poller.register(ctl_r, select.POLLIN)
     timed_out = False
+    # Without a cgroup (a user's sandbox), the run's memory as a whole is watched: the
+    # resident memory of every process of its PID namespace, sampled through its own /proc.
+    layers = spec["layers"]
+    watch = spec.get("mode") == "userns" and layers["pid"] and layers["mount"] and not layers.get("cgroup")
+    tick = MEMORY_TICK_S if watch else None
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            ready = {fd for fd, _ in poller.poll(left * 1000)}
+            ready = {fd for fd, _ in poller.poll(min(left, tick or left) * 1000)}
             if pidfd in ready or ctl_r in ready:
+                break
+            if watch and run_rss(g) > spec["limits"]["memory_mb"] << 20:
                 break
         _kill_g(spec, g)
     finally:
         os.close(pidfd)
     return timed_out
+
+
+def run_rss(g):
+    """Bytes resident in every process of G's PID namespace (its /proc, seen through G's root)."""
+    base, total = f"/proc/{g}/root/proc", 0
+    try:
+        pids = [p for p in os.listdir(base) if p.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        try:
+            with open(f"{base}/{pid}/statm", "rb") as fh:
+                total += int(fh.read().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def _kill_g(spec, g):

@@ -52,9 +52,11 @@ Without root (``mode == "userns"``, e.g. a Slurm job's reward workers), the laye
 Weaker than root, and how: no uid of its own (what it can reach on the host is what the
 trainer's uid could, through the namespaces: nothing but the interpreter's files, read-only;
 its supplementary groups stay, ``setgroups`` being denied; whether the uid's kernel
-keyrings are reachable from its user namespace is not checked); memory is capped per process
-by address space (``memory_mb`` each, up to ``nproc`` processes) unless a cgroup is
-delegated to the trainer (then used, as above; without one ``Isolation.notes`` says so);
+keyrings are reachable from its user namespace is not checked); unless a cgroup is
+delegated to the trainer (then used, as above), the run's memory is a watch, not a limit:
+its reaper samples the resident memory of every process of the run's PID namespace every
+20 ms and kills the run above ``memory_mb`` (a burst between samples can pass it; each
+process is also capped by address space), and ``Isolation.notes`` says so;
 the kernel attack surface of user namespaces is larger (a kernel bug reachable only with
 namespace capabilities is reachable here). Where user namespaces are forbidden
 (``user.max_user_namespaces=0``, ``kernel.unprivileged_userns_clone=0``, AppArmor's
@@ -87,7 +89,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from realscale.reward._sandbox_exec import kill_procs_of, kill_uid, recv_msg, send_msg, uid_pids
+from realscale.reward._sandbox_exec import MEMORY_TICK_S, kill_procs_of, kill_uid, recv_msg, send_msg, uid_pids
 
 LAYERS = ("uid", "pid", "mount", "net", "ipc", "cgroup")  # as root
 USERNS_LAYERS = ("userns", "pid", "mount", "net", "ipc", "nproc")  # without root (the cgroup: where delegated)
@@ -358,9 +360,20 @@ class Sandbox:
                 missing.setdefault("combined", why)
                 layers = {k: False for k in layers}
         if not layers["cgroup"]:
-            notes["cgroup"] = (f"{self._cgroups.why}: memory is capped per process (address space), not for the "
-                               "run's processes together")
+            watched = layers["pid"] and layers["mount"] and self._sees_own_proc(layers)
+            notes["cgroup"] = self._cgroups.why + (
+                ": the run's memory is watched instead (the resident memory of its processes, sampled every "
+                f"{MEMORY_TICK_S * 1000:.0f} ms: a burst between samples can pass it), each process capped by address "
+                "space" if watched else ": memory is capped per process only (address space): no /proc in the "
+                "sandbox here (the host's is partly covered), so the run's total is not watched")
         return Isolation(layers, missing, "userns", notes)
+
+    def _sees_own_proc(self, layers: dict[str, bool]) -> bool:
+        """Whether the run has a /proc of its own (which the memory watch reads)."""
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            return self.run_program("import os\nprint(os.path.isdir('/proc/1'))", SandboxLimits(timeout=30.0),
+                                    layers).stdout.strip() == "True"
+        return False
 
     def _inspect(self) -> None:
         try:

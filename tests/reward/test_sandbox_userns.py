@@ -135,6 +135,11 @@ print(json.dumps(f))
     out["after_bomb"], _ = scored(reward, [(GOOD, ADD)])
     hog = "def add(a, b):\n    blob = bytearray(1 << 30)\n    return a + b\n"
     out["hog"], out["hog_s"] = scored(reward, [(hog, ADD)])
+    split = ("import os, time\ndef add(a, b):\n    kids = []\n    for _ in range(3):\n        pid = os.fork()\n"
+             "        if pid == 0:\n            blob = bytearray(b'\\x01') * (150 << 20)\n            time.sleep(1.5)\n"
+             "            os._exit(0)\n        kids.append(pid)\n"
+             "    return a + b if all(os.waitpid(k, 0)[1] == 0 for k in kids) else 0\n")
+    out["split"], out["split_s"] = scored(reward, [(split, ADD)])
     loop = "def add(a, b):\n    while True:\n        pass\n"
     out["loop"], out["loop_s"] = scored(reward, [(loop, ADD)])
     out["preflight_allowed"] = out.pop("preflight")
@@ -176,7 +181,7 @@ def allowed(tmp_path_factory) -> dict:
 def test_unprivileged_sandbox_has_every_layer(allowed: dict) -> None:
     assert allowed["uid"] == UID and allowed["mode"] == "userns"
     assert allowed["missing"] == {} and all(allowed["layers"][k] for k in USERNS_LAYERS)
-    assert "cgroup" in allowed["notes"] or allowed["layers"]["cgroup"]  # either used or said why not
+    assert allowed["layers"]["cgroup"] or "the run's memory is watched" in allowed["notes"]["cgroup"]
     assert allowed["preflight_allowed"] is None  # the code recipe starts
 
 
@@ -217,6 +222,8 @@ def test_fork_bomb_is_capped_killed_and_gone(allowed: dict) -> None:
 def test_memory_hog_and_infinite_loop_are_contained(allowed: dict) -> None:
     (value, reason, detail), = allowed["hog"]
     assert value == 0.0 and "MemoryError" in detail and allowed["hog_s"] < 5.0, (reason, detail)
+    (value, reason, detail), = allowed["split"]  # 3 x 150 MB: each fits 256 MB, the run does not
+    assert value == 0.0 and allowed["split_s"] < 1.5, (reason, detail, allowed["split_s"])
     (value, reason, _), = allowed["loop"]
     assert (value, reason) == (0.0, "timeout") and allowed["loop_s"] < 2.0 + 4.0, allowed["loop_s"]
 

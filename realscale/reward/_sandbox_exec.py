@@ -126,11 +126,15 @@ def enter_userns(uid, gid, nested=0):
     ids an unprivileged process may map), with all capabilities over what it then creates,
     and at most ``nested`` user namespaces below it."""
     unshare(CLONE_NEWUSER)
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1\n"), ("gid_map", f"{gid} {gid} 1\n"),
-                       ("sys/user/max_user_namespaces", f"{nested}\n")):
-        path = "/proc/self/" + name if not name.startswith("sys/") else "/proc/" + name
-        with open(path, "w") as fh:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1\n"), ("gid_map", f"{gid} {gid} 1\n")):
+        with open("/proc/self/" + name, "w") as fh:
             fh.write(text)
+    try:
+        with open("/proc/sys/user/max_user_namespaces", "w") as fh:
+            fh.write(f"{nested}\n")
+    except OSError as exc:  # e.g. a container's read-only /proc/sys: then the program could nest
+        raise OSError(exc.errno, f"cannot stop nested user namespaces (user.max_user_namespaces={nested} in the "
+                                 f"sandbox's own user namespace): {exc.strerror}") from None
 
 
 def drop_caps():

@@ -49,6 +49,9 @@ Without root (``mode == "userns"``, e.g. a Slurm job's reward workers), the laye
   own tasks, capped at ``nproc``. Older kernels count every process of the uid on the
   host: the layer is missing there.
 
+Where ``/proc/sys`` is read-only (a Docker container's default) the sandbox cannot set its
+user namespace's ``max_user_namespaces`` to 0: ``userns`` is then missing, with that reason.
+
 Weaker than root, and how: no uid of its own (what it can reach on the host is what the
 trainer's uid could, through the namespaces: nothing but the interpreter's files, read-only;
 its supplementary groups stay, ``setgroups`` being denied; whether the uid's kernel
@@ -345,7 +348,9 @@ class Sandbox:
             err = self._try({**{k: False for k in layers}, "userns": True})
             if err is not None:
                 missing = {k: "needs the user namespace" for k in USERNS_LAYERS}
-                missing["userns"] = f"{err} ({userns_hint()})"
+                hint = ("the sandbox needs a writable /proc/sys; or run the trainer as root"
+                        if "cannot stop nested user namespaces" in err else userns_hint())
+                missing["userns"] = f"{err} ({hint})"
                 return Isolation({k: False for k in layers}, missing, "userns", {"cgroup": "not tried"})
             if layers["cgroup"] and self._try({**{k: False for k in layers}, "userns": True, "cgroup": True}):
                 layers["cgroup"] = False

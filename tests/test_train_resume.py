@@ -72,3 +72,29 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
     uids = [u for s in sorted(by_step) for u in by_step[s]]
     assert sorted(by_step) == [1, 2, 3, 4, 5]
     assert len(uids) == len(set(uids)), "a prompt was trained twice across the restart"
+
+
+def test_a_finished_run_whose_export_was_lost_exports_again_on_the_same_command(tmp_path: Path) -> None:
+    """The export is the trainer ranks' last act: a run whose ``<run>/final`` is gone (a
+    crash after the last checkpoint) gets it back, the same bits, by running the same
+    command again: the ranks resume at the last step, train nothing and export."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "r"
+    short = ["run.total_steps=2", "run.checkpoint_every=0"]
+    first = _train(tmp_path, short)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out.decode()[-3000:]
+    want = load_file(str(run / "final" / "model.safetensors"))
+    for f in (run / "final").iterdir():
+        f.unlink()
+    (run / "final").rmdir()
+    again = _train(tmp_path, short)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out.decode()[-3000:]
+    assert json.loads((run / "final" / "export.json").read_text())["step"] == 2
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(got[n].equal(want[n]) for n in want)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in line]
+    assert steps == [1, 2]  # nothing trained again

@@ -614,6 +614,8 @@ class InferenceClient:
         last bucket only, so no token is tagged with a version whose weights are partly
         loaded, and the cache is flushed once.
         """
+        from realscale.inference.weight_sync import WeightPart  # torch: not loaded by the client itself
+
         targets = await self._update_targets()
         if [s.url for s in targets] != self._group_urls:
             await self._regroup(sender, targets)

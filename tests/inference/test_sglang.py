@@ -167,13 +167,16 @@ def _served_weights(url: str, names: list[str], rows: int) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "tp2pp2"])
 def test_weight_update_over_gloo_from_trainer_layouts(servers, models, tmp_path, layout) -> None:
-    """Trainer ranks (Megatron tp1, tp2 or pp2) push new weights into both servers (1 + 2
-    ranks: a weight group of 4) with the run's transport — SGLang's weight-update group
-    on gloo (``/init_weights_update_group`` with ``backend: "gloo"``, a
+    """Trainer ranks (Megatron tp1, tp2, pp2 or tp2 x pp2) push new weights into both
+    servers (1 + 2 ranks: a weight group of 4) with the run's transport — SGLang's
+    weight-update group on gloo (``/init_weights_update_group`` with ``backend: "gloo"``, a
     ``/begin_weight_update`` … ``/end_weight_update`` session of
-    ``/update_weights_from_distributed`` buckets) — twice (the group is reused); then
+    ``/update_weights_from_distributed`` buckets; a pipelined trainer hosts one group per
+    stage, ``-stage<s>``, and each stage's first rank broadcasts its own part: the real
+    server holds several groups and takes their buckets in turn within one session) —
+    twice (the groups are reused); then
     each server's log-probs equal the trainer's, its tokens carry the new version, and its
     weights are bit-identical to the checkpoint the trainer loaded."""
     import torch
@@ -189,7 +192,7 @@ def test_weight_update_over_gloo_from_trainer_layouts(servers, models, tmp_path,
     cfg.generate = _gen_config()
     cfg.data.task_heldout = 20
     params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
-    world, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (2, 2)}[layout]
+    world, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (2, 2), "tp2pp2": (4, 2)}[layout]
     out = run_distributed(cases.publish_to_servers, world, asdict(cfg), base, new,
                           [(u, tp) for u, tp, _ in servers], str(tmp_path), [3, 4], PROMPTS[1], params, pp,
                           timeout=900)[0]

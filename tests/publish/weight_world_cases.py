@@ -100,9 +100,11 @@ def trainer_into_servers(model_dir: str, layouts: list[str], servers: dict[str, 
 
 def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, int]], victim_pgid: int) -> dict | None:
     """Two trainer ranks (tp2) push version 1 into both servers with the ``kind`` transport
-    (``reshard``: the weight world; ``broadcast``: SGLang's weight group), then version 2,
-    during which rank 0 SIGKILLs the second server — right before the world's send, or
-    after the first bucket of the broadcast. The update must complete on the survivor
+    (``reshard``: the weight world; ``broadcast``: SGLang's weight group; ``broadcast-pp2``:
+    a pp2 trainer's per-stage groups), then version 2, during which the second server is
+    SIGKILLed — by rank 0 right before the world's send, or after the first bucket of the
+    broadcast; with pp2 by stage 1's rank after its first bucket (its own group breaks
+    while rank 0 posts that stage's part). The update must complete on the survivor
     (sent again in a group without the dead one); rank 0 returns what the survivor holds
     against the trainer's weights, and which servers were retired."""
     import os
@@ -118,8 +120,10 @@ def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, 
     from realscale.publish.weight_world import WorldSpec
     from realscale.train.engine import EngineConfig, MegatronEngine
 
-    engine = MegatronEngine(EngineConfig(model_dir, tp=2, lr=None))
+    pp = 2 if kind == "broadcast-pp2" else 1
+    engine = MegatronEngine(EngineConfig(model_dir, tp=2 // pp, pp=pp, lr=None))
     rank0 = dist.get_rank() == 0
+    killer = dist.get_rank() == (1 if pp > 1 else 0)
     control = ClientControl([ServerEndpoint(u, r) for u, r in endpoints]) if rank0 else None
     transport = ReshardTransport("gloo", timeout_s=120) if kind == "reshard" else BroadcastTransport("gloo", 1 << 16)
     transport.connect(engine, control)
@@ -133,7 +137,7 @@ def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, 
     if rank0 and kind == "reshard":
         member, send = transport.member, transport.member.send
         member.send = lambda buf: (kill(), send(buf))[1]  # after the world was agreed and joined
-    elif rank0:
+    elif killer and kind != "reshard":
         export = engine.export_hf_weights
 
         def export_then_kill(**kw: Any) -> Any:
@@ -146,7 +150,7 @@ def lose_one_mid_transfer(model_dir: str, kind: str, endpoints: list[tuple[str, 
     transport.send(engine, 2, control)
     spec = spec_from_hf_config(engine.hf_config, itemsize=4)
     survivor = endpoints[:1]
-    world = WorldSpec("127.0.0.1", 1, "check", "gloo", "d1t2p1", [r for _, r in survivor])
+    world = WorldSpec("127.0.0.1", 1, "check", "gloo", "d1t1p1", [r for _, r in survivor])
     held = server_check(engine, spec, world, survivor)
     out = None
     if rank0:

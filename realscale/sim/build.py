@@ -129,12 +129,57 @@ def _reshard(spec: ModelSpec, src: Layout, dst: Layout, gpn: int):  # noqa: ANN2
     return plan_reshard(spec, src, dst, gpn)
 
 
+# How the weights reach the servers, by engine (realscale/publish/): the resharder's plan
+# (embedded servers; vLLM's shard-to-shard m2n engine moves the same shards), SGLang's
+# broadcast groups, one per pipeline stage (StageBroadcastTransport), or the funnel
+# (everything gathered to trainer rank 0, then broadcast: vLLM's broadcast engine).
+WEIGHT_PATHS = ("reshard", "stage_broadcast", "funnel")
+BROADCAST_BUCKET_BYTES = 64 << 20  # the transports' bucket (BroadcastTransport, VllmEngineTransport)
+BUCKET_ROUND_TRIP_S = 2e-3         # one HTTP call per bucket per server (assumed: a LAN round trip)
+
+
+def weight_path_for(backend: str, vllm_engine: str = "m2n") -> str:
+    """The path a generation backend's weight update takes (the knob's value for vLLM)."""
+    if backend == "sglang":
+        return "stage_broadcast"
+    if backend == "vllm":
+        return "reshard" if vllm_engine == "m2n" else "funnel"
+    return "reshard"
+
+
+def broadcast_sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, per_stage: bool) -> float:
+    """Full HF tensors broadcast into every server rank (SGLang's protocol; vLLM's ``nccl``
+    engine), moving seconds only. NCCL's broadcast is pipelined along a ring, so the
+    sender's link and each receiver's carry the bytes once: the whole model crosses the
+    inter-node link once per update whatever the number of servers. Per stage
+    (``per_stage``): each stage's leader gathers its stage over TP (NVLink) while sending
+    the previous bucket, and the stages send one after another (a server takes one update
+    call at a time). The funnel: the TP gathers, then every other stage's tensors down
+    the pipeline to rank 0 over InfiniBand, then the broadcast, without overlap."""
+    link = hw.eff.link
+    nv, ib = hw.gpu.nvlink_gbps * link * 1e9, hw.gpu.ib_gbps * link * 1e9
+    s = layout.train
+    model = spec.param_bytes()
+    stage = model / s.pp
+    gather = stage * (s.tp - 1) / s.tp / nv  # per stage, into its leader
+    buckets = math.ceil(model / BROADCAST_BUCKET_BYTES) * BUCKET_ROUND_TRIP_S
+    if per_stage:
+        return s.pp * max(gather, stage / ib) + buckets
+    return s.pp * gather + model * (s.pp - 1) / s.pp / ib + model / ib + buckets
+
+
 def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight_link: LinkCost | None = None,
-                 pause_floor_s: float = 0.0) -> float:
-    """Weight update: the resharder's plan from the training layout to the servers, at link
-    speed times the profile's link efficiency (``weight_link`` None) or at the measured
-    cost of its busiest GPU's bytes, plus the pause/resume overhead (at least
-    ``pause_floor_s``: SGLang's abort pause)."""
+                 pause_floor_s: float = 0.0, path: str = "reshard") -> float:
+    """Weight update by ``path`` (:data:`WEIGHT_PATHS`), plus the pause/resume overhead
+    (at least ``pause_floor_s``: SGLang's abort pause). ``reshard``: the resharder's plan
+    from the training layout to the servers, at link speed times the profile's link
+    efficiency (``weight_link`` None) or at the measured cost of its busiest GPU's bytes;
+    the broadcasts: :func:`broadcast_sync_seconds`."""
+    if path not in WEIGHT_PATHS:
+        raise SimError(f"weight path {path!r}: expected one of {', '.join(WEIGHT_PATHS)}")
+    overhead = max(hw.eff.weight_update_overhead_s, pause_floor_s)
+    if path != "reshard" and not layout.colocated:
+        return broadcast_sync_seconds(spec, hw, layout, per_stage=path == "stage_broadcast") + overhead
     gen = Strategy(layout.gen_servers, layout.gen_tp, 1)
     start = 0 if layout.colocated else layout.gen_gpus
     src = Layout(Mesh(start, layout.train.world), layout.train)
@@ -145,7 +190,7 @@ def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight
         t = plan.estimate_seconds(hw.gpu.nvlink_gbps * link, hw.gpu.ib_gbps * link)
     else:  # sends and receives overlap: the busiest direction of the busiest GPU
         t = weight_link.seconds(max(plan.max_recv_bytes(), plan.max_send_bytes()))
-    return t + max(hw.eff.weight_update_overhead_s, pause_floor_s)
+    return t + overhead
 
 
 def switch_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout) -> float:
@@ -177,6 +222,7 @@ class Scenario:
     batch_link: LinkCost | None = None   # None: assumed_batch_cost(hw)
     rollout: RolloutModel = MEASURED_ROLLOUT  # the rollout processes (GPU runs; off on a shared host)
     pause_floor_s: float = 0.0           # SGLANG_ABORT_PAUSE_S for SGLang paused in abort mode
+    weight_path: str = "reshard"         # WEIGHT_PATHS: how the engine takes its weights (weight_path_for)
 
     def models(self) -> tuple[ServerModel, TrainerModel]:
         lay = self.layout
@@ -185,7 +231,7 @@ class Scenario:
         server = server_model(self.spec, self.hw, lay.gen_tp, self.workload.prompt_len, self.max_running,
                               self.kv_budget, padded=self.padded_attention)
         try:
-            sync = sync_seconds(self.spec, self.hw, lay, self.weight_link, self.pause_floor_s)
+            sync = sync_seconds(self.spec, self.hw, lay, self.weight_link, self.pause_floor_s, self.weight_path)
         except LayoutError as exc:
             raise SimError(f"{lay.describe()}: {exc}") from None
         trainer = trainer_model(self.spec, self.hw, lay.train, train_mb_tokens=self.train_mb_tokens,

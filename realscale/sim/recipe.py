@@ -28,7 +28,7 @@ from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolv
 from realscale.parallel.mesh import Strategy
 from realscale.parallel.model_spec import ModelSpec, spec_from_hf_config, transformer_spec
 from realscale.planner.hardware import HardwareProfile
-from realscale.sim.build import SGLANG_ABORT_PAUSE_S, RunLayout, Scenario
+from realscale.sim.build import SGLANG_ABORT_PAUSE_S, RunLayout, Scenario, weight_path_for
 from realscale.sim.workload import (
     AcceptAll,
     AcceptFraction,
@@ -147,4 +147,5 @@ def scenario_from_config(cfg: Config, hw: HardwareProfile, *, plan: Plan | None 
                     interrupt="in_place" if cfg.generate.pause_mode == "in_place" else "recompute",
                     ref=cfg.algo.kl_coef > 0, padded_attention=cfg.generate.backend == "embedded",
                     pause_floor_s=SGLANG_ABORT_PAUSE_S if (cfg.generate.backend == "sglang"
-                                                          and cfg.generate.pause_mode == "abort") else 0.0)
+                                                          and cfg.generate.pause_mode == "abort") else 0.0,
+                    weight_path=weight_path_for(cfg.generate.backend, cfg.generate.vllm_weight_engine))

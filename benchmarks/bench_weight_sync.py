@@ -12,10 +12,13 @@ on every trainer rank; HTTP control included, pause/resume not):
   rank packs its local Megatron shards into its flat buffer and the resharder sends each
   server rank exactly the slices of its shard, from whichever trainer rank holds them;
   each server rank receives in its own process, into its weight buffer.
-- **gather-broadcast** (``BroadcastTransport``, SGLang's protocol, the scheme of
-  ``benchmarks/reshard_baseline.py``): the trainer's export gathers every tensor
+- **gather-broadcast** (``BroadcastTransport(per_stage=False)``, SGLang's protocol, the
+  scheme of ``benchmarks/reshard_baseline.py``): the trainer's export gathers every tensor
   over TP and down the pipeline to rank 0, which broadcasts each HF tensor to every
   server rank; each server rank cuts its own Megatron-layout shard from the full tensors.
+- **per-stage broadcast** (pipelined trainers only: ``BroadcastTransport``, what the loop
+  sends SGLang servers, ``StageBroadcastTransport``): each stage's first rank gathers its
+  own stage over TP and broadcasts it in a group of its own, nothing down the pipeline.
 
 Seconds per step: median of ``--repeats`` sends (after one untimed send that builds the
 groups), on trainer rank 0 from a barrier of the trainer ranks until every server answered
@@ -94,21 +97,25 @@ def trainer(model: str, layouts: list[str], servers: dict[str, list[tuple[str, i
             row: dict = {"layout": name, "trainer": LAYOUTS[name], "destination": dst}
             group = f"bench-{name}-{dst.replace(' ', '')}"  # a weight-group name is taken once per process
             ours = ReshardTransport("gloo", bucket_bytes=BUCKET, timeout_s=900)
-            base = BroadcastTransport("gloo", bucket_bytes=BUCKET, group_name=group)
-            for method, transport in (("ours", ours), ("base", base)):
+            methods = [("ours", ours), ("base", BroadcastTransport("gloo", bucket_bytes=BUCKET, group_name=group,
+                                                                   per_stage=False))]
+            if s.pp > 1:  # SGLang's protocol as the loop sends it from a pipelined trainer
+                methods.append(("stage", BroadcastTransport("gloo", bucket_bytes=BUCKET, group_name=f"{group}-ps")))
+            for method, transport in methods:
                 transport.connect(engine, control)
                 times, stats, version = _timed_sends(engine, transport, control, repeats, version)
                 held = server_check(engine, ours.spec, ours.member.world, endpoints)
                 row.update({f"{method}_s": statistics.median(times), f"{method}_bytes": stats.bytes,
                             f"{method}_identical": held is None or all(not h["differ"] for h in held)})
+                if method != "ours":
+                    transport.close()  # the servers leave its group(s)
             row["lower_bound"] = ours.member.lower_bound_bytes()
             ours.close()
-            base.close()
             if control is not None:
-                for url, _ in endpoints:  # the servers leave the broadcast group
-                    control.run(lambda c, u=url: c.post(u, "/destroy_weights_update_group", {"group_name": group}))
                 control.close()
             row["speedup"] = row["base_s"] / row["ours_s"]
+            if "stage_s" in row:
+                row["stage_speedup"] = row["base_s"] / row["stage_s"]
             rows.append(row)
     return rows
 
@@ -136,12 +143,15 @@ def run_model(model_name: str, repeats: int, log_dir: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "trainer", "servers", "reshard MB", "lower bound MB", "gather-bcast MB", "reshard s",
-            "gather-bcast s", "speedup", "identical")
+            "gather-bcast s", "speedup", "per-stage bcast s", "vs gather-bcast", "identical")
     lines = [head]
     for r in rows:
+        staged = "stage_s" in r
         lines.append((r["model"], f"{r['layout']} ({r['trainer']})", r["destination"], f"{r['ours_bytes'] / 1e6:.2f}",
                       f"{r['lower_bound'] / 1e6:.2f}", f"{r['base_bytes'] / 1e6:.2f}", f"{r['ours_s']:.3f}",
-                      f"{r['base_s']:.3f}", f"{r['speedup']:.2f}x", str(r["ours_identical"] and r["base_identical"])))
+                      f"{r['base_s']:.3f}", f"{r['speedup']:.2f}x", f"{r['stage_s']:.3f}" if staged else "-",
+                      f"{r['stage_speedup']:.2f}x" if staged else "-",
+                      str(r["ours_identical"] and r["base_identical"] and r.get("stage_identical", True))))
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

@@ -45,8 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-sync", default="link",
-                        help="weight-sync cost: link (the resharder's plan at the profile's link speed), measured "
-                             "(benchmarks/results/bench_weight_sync.json) or measured:FILE")
+                        help="weight-sync cost: link (the engine's path at the profile's link speed: the "
+                             "resharder's plan for embedded servers and vLLM m2n, per-stage broadcast for SGLang, "
+                             "the rank-0 funnel for vLLM broadcast), measured (the resharder's measured cost, "
+                             "benchmarks/results/bench_weight_sync.json) or measured:FILE")
     parser.add_argument("--batch-path", default="assumed",
                         help="rollout-batch transfer to the trainer ranks: assumed (the profile's IB speed), "
                              "measured (benchmarks/results/bench_batch_transfer.json, scatter rows) or "

@@ -20,7 +20,9 @@ Transports (how step 2 happens) are chosen by :func:`transport_for` from the con
   resharder moves each server rank exactly its Megatron-layout shard, straight from the
   trainer ranks that hold it (no funnel through rank 0; on GPUs device to device).
 - :class:`BroadcastTransport` — SGLang's ``/update_weights_from_distributed``: HF-named
-  full tensors gathered to trainer rank 0 and broadcast to every server rank.
+  full tensors gathered over TP and broadcast to every server rank; from a pipelined
+  trainer one weight group per stage, each stage's first rank sending its own part
+  (:class:`~realscale.publish.broadcast.StageBroadcastTransport`), nothing through rank 0.
 - :class:`VllmEngineTransport` — vLLM servers: vLLM's own trainer-side weight-transfer
   engine (``nccl`` on GPUs, realscale's ``gloo`` on CPU: :mod:`realscale.inference.vllm_gloo`)
   over every rank of every server.

@@ -33,8 +33,9 @@ class BroadcastTransport(WeightTransport):
     (:class:`StageBroadcastTransport`, chosen at :meth:`connect`)."""
 
     def __init__(self, backend: str, bucket_bytes: int = 64 << 20, group_name: str = "realscale-weights",
-                 pause_mode: str = "abort") -> None:
+                 pause_mode: str = "abort", per_stage: bool = True) -> None:
         self.backend = backend
+        self.per_stage = per_stage  # False: every stage's tensors through rank 0 (benchmarks compare)
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.flush_cache = flush_after_update(pause_mode)
@@ -43,7 +44,7 @@ class BroadcastTransport(WeightTransport):
         self.staged: StageBroadcastTransport | None = None  # a pipelined trainer's
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
-        if engine.ec.pp > 1:  # no funnel: each stage sends its own part
+        if engine.ec.pp > 1 and self.per_stage:  # no funnel: each stage sends its own part
             self.staged = StageBroadcastTransport(self.backend, self.bucket_bytes, self.group_name,
                                                   flush_cache=self.flush_cache)
             self.staged.connect(engine, control)

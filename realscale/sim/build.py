@@ -179,6 +179,9 @@ def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight
         raise SimError(f"weight path {path!r}: expected one of {', '.join(WEIGHT_PATHS)}")
     overhead = max(hw.eff.weight_update_overhead_s, pause_floor_s)
     if path != "reshard" and not layout.colocated:
+        if weight_link is not None:
+            raise SimError(f"a measured weight-sync cost is the resharder's; this engine's update takes the "
+                           f"{path} path (use the link cost)")
         return broadcast_sync_seconds(spec, hw, layout, per_stage=path == "stage_broadcast") + overhead
     gen = Strategy(layout.gen_servers, layout.gen_tp, 1)
     start = 0 if layout.colocated else layout.gen_gpus

@@ -48,3 +48,12 @@ def test_the_sglang_recipes_take_the_per_stage_path() -> None:
     assert cfg.generate.backend == "sglang"
     plan = Plan.load("launch/slurm/plans/ppo_7b.yaml")
     assert scenario_from_config(cfg, builtin_profile("H100"), plan=plan).weight_path == "stage_broadcast"
+
+
+def test_a_measured_resharder_cost_is_refused_for_a_broadcast_path() -> None:
+    from realscale.sim.transfer import LinkCost
+
+    link = LinkCost(0.01, 1e-9, source=None)
+    with pytest.raises(SimError, match="stage_broadcast path"):
+        sync_seconds(known_model("qwen2-7b"), builtin_profile("H100"), RunLayout(4, 4, Strategy(2, 4, 2)),
+                     weight_link=link, path="stage_broadcast")

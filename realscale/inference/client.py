@@ -605,21 +605,22 @@ class InferenceClient:
         return list(await asyncio.gather(*(self._request(s, "POST", path, body) for s in targets)))
 
     async def update_weights(self, sender: WeightSender, buckets: Iterable[list[tuple[str, Any]]],
-                             weight_version: Any = None, flush_cache: bool = True) -> int:
+                             weight_version: Any = None, flush_cache: bool = True, count: int | None = None) -> int:
         """Stream ``buckets`` through ``sender`` into every server; returns bytes sent.
 
         SGLang's session: ``/begin_weight_update``; per bucket ``/update_weights_from_distributed``
         while the sender broadcasts; ``/end_weight_update`` (also after a failure, so the
         servers are not left inside a session). The version and the cache flush go with the
         last bucket only, so no token is tagged with a version whose weights are partly
-        loaded, and the cache is flushed once.
+        loaded, and the cache is flushed once. ``count``: the number of buckets, when known
+        (then each next bucket is exported while one is sent).
         """
         from realscale.inference.weight_sync import WeightPart  # torch: not loaded by the client itself
 
         targets = await self._update_targets()
         if [s.url for s in targets] != self._group_urls:
             await self._regroup(sender, targets)
-        return await self._update_session(targets, [WeightPart(sender, buckets)], weight_version, flush_cache)
+        return await self._update_session(targets, [WeightPart(sender, buckets, count)], weight_version, flush_cache)
 
     async def update_weights_in_parts(self, parts: list["WeightPart"], urls: list[str], weight_version: Any = None,
                                       flush_cache: bool = True) -> int:

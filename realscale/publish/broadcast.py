@@ -42,6 +42,7 @@ class BroadcastTransport(WeightTransport):
         self.sender: WeightSender | None = None
         self.control: ServerControl | None = None
         self.staged: StageBroadcastTransport | None = None  # a pipelined trainer's
+        self.count: int | None = None  # buckets per update (rank 0's export; others yield none)
 
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         if engine.ec.pp > 1 and self.per_stage:  # no funnel: each stage sends its own part
@@ -49,6 +50,9 @@ class BroadcastTransport(WeightTransport):
                                                   flush_cache=self.flush_cache)
             self.staged.connect(engine, control)
             return
+        # how many buckets an update has (a collective pass; names and shapes never change),
+        # so each next bucket is exported while one is on the wire
+        self.count = sum(1 for _ in engine.export_hf_weights(bucket_bytes=self.bucket_bytes))
         if control is None:
             return
         self.control = control
@@ -88,7 +92,7 @@ class BroadcastTransport(WeightTransport):
             return 0, False
         try:
             return control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
-                                                          flush_cache=self.flush_cache)), False
+                                                          flush_cache=self.flush_cache, count=self.count)), False
         except ServerLost as exc:
             if last:
                 raise

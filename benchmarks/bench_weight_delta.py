@@ -27,9 +27,10 @@ weights after RL step k: what the servers received after each step) and, for eac
   ``encode + delta_bytes / link + decode < full_bytes / link``.
 
 The tiny model is 3.4 MB, so per-call overheads dominate its encode/decode seconds;
-``--tile-mb`` also times every codec on a buffer made by tiling one real pair of versions
-up to that many MB (the same change pattern and value statistics, a size where throughput
-is the CPU's, not Python's), which gives each codec's break-even link speed.
+``--tile-mb`` also times every codec on a buffer of that many MB made of the run's pairs one
+after another (real change patterns and values, a size where throughput is the CPU's, not
+Python's; compression runs in independent 1 MiB frames so no frame sees an earlier copy),
+which with the pairs' median bytes gives each codec's break-even link speed.
 
 How the versions are made (the default recipe, a checkpoint after every step; the second
 run is the same recipe at lr 1e-6, the order of magnitude 7B+ RL recipes use, warm-started
@@ -66,6 +67,7 @@ except ImportError:  # optional: zlib only
     zstandard = None
 
 BLOCK = 4096
+CHUNK = 1 << 20  # compression frame
 # Link speeds (GB/s = 1e9 B/s) a full send is priced at: 10 GbE, 100 Gb/s NIC, 400 Gb/s NIC
 # (one H100's InfiniBand rail), NVLink 4 one way (450 GB/s). Nominal, no efficiency factor.
 LINKS = {"10GbE": 1.25, "100Gb": 12.5, "400Gb": 50.0, "NVLink": 450.0}
@@ -110,9 +112,9 @@ def load_versions(run: str) -> tuple[list[dict], dict]:
         raise SystemExit(f"{run}: need a checkpoint after every step (run.checkpoint_every=1), found {steps}")
     cfg_dict = OmegaConf.to_container(OmegaConf.load(os.path.join(run, "config.yaml")), resolve=True)
     if not os.path.exists(cache):
+        from realscale.config import config_from_dict
         from realscale.parallel.spawn import run_distributed
         from realscale.sft import sft_output_dir
-        from realscale.config import config_from_dict
 
         cfg = config_from_dict(cfg_dict)
         model_dir = sft_output_dir(cfg) if cfg.model.path == "sft" else cfg.model.path
@@ -128,10 +130,9 @@ def load_versions(run: str) -> tuple[list[dict], dict]:
 # ---------------------------------------------------------------- codecs
 
 
-def flat_bits(version: dict, dtype) -> tuple["np.ndarray", list[tuple[str, int, int]]]:  # noqa: F821
+def flat_bits(version: dict, dtype) -> tuple[np.ndarray, list[tuple[str, int, int]]]:  # noqa: F821
     """The whole version in ``dtype`` as one flat integer array of its bit patterns (int32
     for fp32, int16 for bf16), and each tensor's (name, start, numel) in it."""
-    import numpy as np
     import torch
 
     view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
@@ -144,11 +145,21 @@ def flat_bits(version: dict, dtype) -> tuple["np.ndarray", list[tuple[str, int, 
 
 
 def compressors() -> dict:
-    out = {"zlib1": (lambda b: zlib.compress(b, 1), zlib.decompress)}
+    """name -> (compress(bytes) -> list of frames, decompress(frames) -> bytes). Each
+    payload is compressed in independent 1 MiB frames, as a bucketed transport would (and
+    so that no frame can reach back into an earlier copy of a tiled buffer)."""
+
+    def chunked(fn):
+        return lambda b: [fn(b[i:i + CHUNK]) for i in range(0, len(b), CHUNK)] or [fn(b"")]
+
+    def joined(fn):
+        return lambda frames: b"".join(fn(f) for f in frames)
+
+    out = {"zlib1": (chunked(lambda b: zlib.compress(b, 1)), joined(zlib.decompress))}
     if zstandard is not None:
         for level in (1, 3):
             c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-            out[f"zstd{level}"] = (c.compress, d.decompress)
+            out[f"zstd{level}"] = (chunked(c.compress), joined(d.decompress))
     return out
 
 
@@ -251,7 +262,7 @@ def measure_pair(old, new, index, repeats: int) -> dict:
                 if comp is not None:
                     payload = [comp[0](p) for p in payload]
                 t1 = time.perf_counter()
-                size = sum(len(p) for p in payload)
+                size = sum(sum(len(f) for f in p) if isinstance(p, list) else len(p) for p in payload)
                 t2 = time.perf_counter()
                 if comp is not None:
                     payload = [comp[1](p) for p in payload]
@@ -267,11 +278,16 @@ def measure_pair(old, new, index, repeats: int) -> dict:
     return out
 
 
-def tiled(old, new, mb: int):
+def tiled(flats: list, mb: int):
+    """(old, new) buffers of about ``mb`` MB made of the run's consecutive pairs one after
+    another (pair 1, 2, ..., N, 1, ...): real change patterns, no copy repeated within a
+    compression frame's reach."""
     import numpy as np
 
-    reps = max(1, (mb << 20) // (old.size * old.itemsize))
-    return np.tile(old, reps), np.tile(new, reps), reps
+    size = flats[0].size * flats[0].itemsize
+    reps = max(1, (mb << 20) // size)
+    ks = [1 + i % (len(flats) - 1) for i in range(reps)]
+    return np.concatenate([flats[k - 1] for k in ks]), np.concatenate([flats[k] for k in ks]), reps
 
 
 # ---------------------------------------------------------------- analysis
@@ -283,8 +299,7 @@ def per_tensor_changes(old, new, index) -> dict[str, float]:
     return {name: float(np.count_nonzero(old[s:s + n] != new[s:s + n])) / n for name, s, n in index}
 
 
-def analyse_run(run: str, repeats: int, tile_mb: int, tile_pair: int | None) -> dict:
-    import numpy as np
+def analyse_run(run: str, repeats: int, tile_mb: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -320,13 +335,12 @@ def analyse_run(run: str, repeats: int, tile_mb: int, tile_pair: int | None) -> 
                   f"sparse {row['sparse/raw']['ratio']:.3f}, xor/zstd3 "
                   f"{row.get('xor/zstd3', row['xor/zlib1'])['ratio']:.3f} of full", flush=True)
         entry: dict = {"pairs": pairs}
-        # throughput on a tiled buffer: one real pair (the median-changed one unless given), repeated
-        k = tile_pair if tile_pair is not None else sorted(
-            range(len(pairs)), key=lambda i: pairs[i]["changed_frac"])[len(pairs) // 2] + 1
-        big_old, big_new, reps = tiled(flats[k - 1][0], flats[k][0], tile_mb)
-        big_index = [(f"t{i}", i * flats[0][0].size + s, n) for i in range(reps) for _, s, n in index]
+        # throughput on a tiled buffer: the run's pairs one after another
+        big_old, big_new, reps = tiled([f[0] for f in flats], tile_mb)
+        n0 = flats[0][0].size
+        big_index = [(f"t{i}", i * n0 + s, n) for i in range(reps) for _, s, n in index]
         t = measure_pair(big_old, big_new, big_index, repeats=1)
-        entry["tiled"] = {"pair": [k - 1, k], "mb": big_old.size * big_old.itemsize / 1e6, "reps": reps, **t}
+        entry["tiled"] = {"mb": big_old.size * big_old.itemsize / 1e6, "reps": reps, **t}
         result["dtypes"][dname] = entry
     result["steps"] = [{"step": m.get("step"), "version": m.get("version"), "lr": m.get("train/lr"),
                         "grad_norm": m.get("train/grad_norm")} for m in metrics]
@@ -351,7 +365,7 @@ def summarise(result: dict) -> dict:
             tb = tile["full_bytes"]
             enc_rate = tb / tile[key]["encode_s"]  # model bytes per second through the codec
             dec_rate = tb / tile[key]["decode_s"]
-            tratio = tile[key]["ratio"]
+            tratio = ratio  # bytes from the real pairs; the tiled buffer only times the codec
             # delta pays on a link of L B/s iff B/enc + r*B/L + B/dec < B/L  <=>  L < (1-r)/(1/enc+1/dec)
             breakeven = (1 - tratio) / (1 / enc_rate + 1 / dec_rate) if tratio < 1 else 0.0
             c = {"ratio_median": ratio, "ratio_max": max(p[key]["ratio"] for p in pairs),
@@ -368,8 +382,8 @@ def summarise(result: dict) -> dict:
 
 
 def table(result: dict, summary: dict) -> str:
-    lines = [f"{result['run']} (lr {result['lr']:g}, {result['params']:,} parameters, "
-             f"{result['versions'] - 1} consecutive pairs)"]
+    lines = [(f"{result['run']} (lr {result['lr']:g}, {result['params']:,} parameters, "
+              f"{result['versions'] - 1} consecutive pairs)")]
     for dname, s in summary.items():
         lines.append(f"  {dname}: elements changed per version: median {s['changed_frac_median']:.4f} "
                      f"(min {s['changed_frac_min']:.4f}, max {s['changed_frac_max']:.4f}, "
@@ -386,14 +400,13 @@ def main() -> int:
     ap.add_argument("--run", action="append", help="a run directory with a checkpoint after every step")
     ap.add_argument("--repeats", type=int, default=3, help="timed encode/decode repeats per pair (median)")
     ap.add_argument("--tile-mb", type=int, default=256, help="size of the tiled buffer for throughput")
-    ap.add_argument("--tile-pair", type=int, default=None, help="which pair (k-1, k) to tile; default median")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_weight_delta.json"))
     args = ap.parse_args()
     runs = args.run or [os.path.join(ROOT, "runs", "weight_delta")]
     uptime_start = os.popen("uptime").read().strip()
     results = []
     for run in runs:
-        r = analyse_run(run, args.repeats, args.tile_mb, args.tile_pair)
+        r = analyse_run(run, args.repeats, args.tile_mb)
         r["summary"] = summarise(r)
         print(table(r, r["summary"]), flush=True)
         results.append(r)
@@ -402,7 +415,7 @@ def main() -> int:
            "links_GBps": LINKS, "runs": results}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1)
+        json.dump(doc, fh, separators=(",", ":"))  # every pair x codec: compact
     print(f"wrote {args.out}")
     return 0
 

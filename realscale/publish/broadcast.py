@@ -87,8 +87,7 @@ class BroadcastTransport(WeightTransport):
         export, whose gathers the other ranks run in step."""
         buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes)
         if control is None:
-            for _ in buckets:  # take part in the gathers; only rank 0 sends
-                pass
+            _drain(buckets)  # take part in the gathers; only rank 0 sends
             return 0, False
         try:
             return control.run(lambda c: c.update_weights(self.sender, buckets, weight_version=version,
@@ -97,8 +96,7 @@ class BroadcastTransport(WeightTransport):
             if last:
                 raise
             log.warning("%s; sending the update again to the others", exc)
-            for _ in buckets:
-                pass
+            _drain(buckets)
             return 0, True
 
     def close(self) -> None:
@@ -226,24 +224,21 @@ class StageBroadcastTransport(WeightTransport):
         if self.control is not None:
             return self._drive(buckets, version, last)
         if not self.leader:
-            for _ in buckets:
-                pass
+            _drain(buckets)
             return 0, False
         store = dist.distributed_c10d._get_default_store()
         store.wait([key], datetime.timedelta(seconds=self.WAIT_S))
         go = store.get(key) == b"go"
         store.delete_key(key)
         if not go:  # the update failed before this stage's turn
-            for _ in buckets:
-                pass
+            _drain(buckets)
             return 0, True
         try:
             return send_overlapped(buckets, self.sender.broadcast_bucket), False
         except Exception as exc:  # noqa: BLE001 - a server went away mid-broadcast: every rank resends
             log.warning("stage %d's weight broadcast failed (%r); the update is sent again", self.stage, exc)
             self.sender.close()  # the survivors' receives fail now, not at the group's timeout
-            for _ in buckets:
-                pass
+            _drain(buckets)
             return 0, True
 
     def _drive(self, buckets: Any, version: int, last: bool) -> tuple[int, bool]:
@@ -261,8 +256,7 @@ class StageBroadcastTransport(WeightTransport):
             if not isinstance(exc, ServerLost) or last:
                 raise
             log.warning("%s; sending the update again to the others", exc)
-            for _ in buckets:
-                pass
+            _drain(buckets)
             return 0, True
 
     def close(self) -> None:
@@ -282,3 +276,9 @@ def _meta_buckets(meta: list[list[tuple[str, "torch.dtype", tuple[int, ...]]]]) 
     """Buckets of shape-only tensors (``meta`` device: no memory) for the requests of a
     stage whose data another rank sends."""
     return [[(n, torch.empty(shape, dtype=dtype, device="meta")) for n, dtype, shape in b] for b in meta]
+
+
+def _drain(buckets: Any) -> None:
+    """Run an export to its end without sending (its collectives keep every rank in step)."""
+    for _ in buckets:
+        pass

@@ -1,5 +1,6 @@
 """`realscale train` killed with SIGKILL mid-run resumes from its last checkpoint: no
-orphan processes, steps not double-counted, no prompt trained twice, bound respected."""
+orphan processes, steps not double-counted, no prompt trained twice, bound respected; and
+a finished run whose final export was lost gets it back from the same command."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(1200)]  # two realscale train runs
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(1500)]  # three realscale train runs
 
 ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "run.total_steps=5", "run.checkpoint_every=1",
         "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1", "generate.max_new_tokens=4",
@@ -73,28 +74,21 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
     assert sorted(by_step) == [1, 2, 3, 4, 5]
     assert len(uids) == len(set(uids)), "a prompt was trained twice across the restart"
 
-
-def test_a_finished_run_whose_export_was_lost_exports_again_on_the_same_command(tmp_path: Path) -> None:
-    """The export is the trainer ranks' last act: a run whose ``<run>/final`` is gone (a
-    crash after the last checkpoint) gets it back, the same bits, by running the same
-    command again: the ranks resume at the last step, train nothing and export."""
+    # The export is the trainer ranks' last act: a finished run whose <run>/final is gone (a
+    # crash after the last checkpoint) gets it back, the same bits, from the same command:
+    # the ranks resume at the last step, train nothing and export.
     from safetensors.torch import load_file
 
-    run = tmp_path / "r"
-    short = ["run.total_steps=2", "run.checkpoint_every=0"]
-    first = _train(tmp_path, short)
-    out, _ = first.communicate(timeout=600)
-    assert first.returncode == 0, out.decode()[-3000:]
     want = load_file(str(run / "final" / "model.safetensors"))
     for f in (run / "final").iterdir():
         f.unlink()
     (run / "final").rmdir()
-    again = _train(tmp_path, short)
-    out, _ = again.communicate(timeout=600)
-    assert again.returncode == 0, out.decode()[-3000:]
-    assert json.loads((run / "final" / "export.json").read_text())["step"] == 2
+    third = _train(tmp_path)
+    out, _ = third.communicate(timeout=600)
+    assert third.returncode == 0, out.decode()[-3000:]
+    assert json.loads((run / "final" / "export.json").read_text())["step"] == 5
     got = load_file(str(run / "final" / "model.safetensors"))
     assert sorted(got) == sorted(want) and all(got[n].equal(want[n]) for n in want)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "train/loss" in line]
-    assert steps == [1, 2]  # nothing trained again
+    assert steps == [1, 2, 3, 4, 5]  # nothing trained again

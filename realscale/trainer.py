@@ -11,6 +11,9 @@ step:
    advantages (GAE: token rewards), waiting for rollouts if needed; the driver splits
    every mini-batch into token-balanced data-parallel shares, and each rank receives only
    its share, only the parts its pipeline stage reads (:mod:`realscale.train.batch_scatter`);
+   while the driver waits, a rollout shard left without a server in rotation makes every
+   rank republish the current version to the servers the launcher restarted
+   (:mod:`realscale.publish.outage`);
 2. **update** — decoupled PPO: proximal log-probs recomputed, mini-batch updates, each
    data-parallel rank on its share; with GAE the critic
    (:mod:`realscale.train.critic`, same ranks and layout) gives values first and takes its
@@ -52,6 +55,7 @@ from realscale.metrics import MetricsLogger
 from realscale.parallel.device import collective_timeout_s, init_distributed
 from realscale.parallel.rank_metrics import ComputeClock, CpuClock, gather_figures, step_figures
 from realscale.publish.control import ServerControl, ServerEndpoint
+from realscale.publish.outage import NONE, POLL_S, REPUBLISH, OutageWatch
 from realscale.publish.publisher import Publisher, WeightPublisher, transport_for
 from realscale.rollout.controller import client_factory
 from realscale.rollout.process import start_rollouts
@@ -98,6 +102,7 @@ class Trainer:
             server_urls = self.colocated.urls
         self.controller: Rollouts | None = None
         self.logger: MetricsLogger | None = None
+        self.outage: OutageWatch | None = None  # driver, servers of their own: every server down at once?
         control = None
         if self.is_driver:
             self.controller, self.logger = self._start_driver(model_dir, server_urls, extra)
@@ -105,6 +110,9 @@ class Trainer:
             roster = None if self.colocated is not None else roster_path(out_dir)
             control = ServerControl(self.controller, [ServerEndpoint(u, cfg.generate.tp) for u in server_urls],
                                     client_factory(cfg, server_urls), roster=roster, ranks_per_server=cfg.generate.tp)
+            if self.colocated is None:
+                roster = roster if os.path.exists(roster) else None  # no launcher's roster: nobody restarts servers
+                self.outage = OutageWatch(roster, control.known, os.path.join(out_dir, "logs"))
         if self.colocated is not None:
             self.colocated.control = control
         self.publisher: Publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
@@ -186,7 +194,7 @@ class Trainer:
             record_trained(self.out_dir, self.step + 1, rollouts.uids)
             split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
             stats = {**rollouts.stats, **generation}
-        shares, moved = self.scatter.scatter(split)
+        shares, moved = self.scatter.scatter(split, republish=self._republish)
         stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)
         return shares, stats, moved
 
@@ -198,7 +206,37 @@ class Trainer:
             wait = lambda: self.controller.next_batch(self.cfg.rollout.batch_size, self.version)  # noqa: E731
         if self.colocated is not None:
             return self.colocated.collect(wait)
-        return (wait() if wait else None), {}
+        return (self._wait_for_batch() if wait else None), {}
+
+    def _wait_for_batch(self) -> Any:
+        """The driver's wait for its batch, in slices of :data:`POLL_S`: between them, a
+        rollout shard with no server in rotation while restarted servers wait for weights
+        is ended by a republish of the current version, which every rank joins
+        (:mod:`realscale.publish.outage`; the others wait in the batch scatter's step 0).
+        Time without a server in rotation does not count towards the batch limit."""
+        waited = 0.0
+        while True:
+            t0 = time.monotonic()
+            batch = self.controller.next_batch(self.cfg.rollout.batch_size, self.version, poll_s=POLL_S,
+                                               waited_s=waited)
+            if batch is not None:
+                return batch
+            verdict = self.outage.check(self.controller.rotation())  # ServersGone when none can come back
+            if verdict.action == REPUBLISH:
+                self.scatter.order_republish()
+                self._republish()
+                waited = 0.0
+            elif verdict.action == NONE:
+                waited += time.monotonic() - t0
+
+    def _republish(self) -> None:
+        """Every rank: the current weights again, under the same version (no step was
+        taken), to the servers the launcher restarted; they join the rotation."""
+        start = time.perf_counter()
+        self.publisher.publish(self.engine, self.version)
+        if self.is_driver:
+            print(f"realscale: republished weight version {self.version} in {time.perf_counter() - start:.1f} s; "
+                  "generation goes on", flush=True)
 
     def _log(self, stats: dict[str, float]) -> None:
         if self.logger is None or self.step % self.cfg.run.log_every:
@@ -209,7 +247,8 @@ class Trainer:
         # caps: the staleness rule's capacity, and 2 x generate.max_running_requests per server)
         stats.update({"rollout/inflight": ctl["inflight"], "rollout/inflight_server_max": ctl["inflight_server_max"],
                       "rollout/servers_alive": ctl["servers_in_rotation"], "rollout/lost_requests": ctl["failures"],
-                      "rollout/server_restarts": sum(e.restarts for e in read_roster(roster_path(self.out_dir)))})
+                      "rollout/server_restarts": sum(e.restarts for e in read_roster(roster_path(self.out_dir))),
+                      "rollout/republishes": float(self.outage.republishes if self.outage is not None else 0)})
         stats.update({f"rollout_ctl/rejected_{why}": n for why, n in ctl["rejected_by_reason"].items()})
         stats.update(self.controller.reward_pool_stats())  # code reward: runs by reason, sandbox_weakened
         stats.update(disk_usage(self.out_dir))

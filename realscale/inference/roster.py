@@ -1,7 +1,8 @@
 """The run's generation servers as the launcher keeps them: ``<run>/launch/servers/roster.json``.
 
 The supervisor is its one writer (an atomic replace each time): every server it started
-with its index, its URL and how often it was restarted. Trainer rank 0 reads it before
+with its index, its URL, how often it was restarted, and whether it gave up on it (dead
+with its restarts used). Trainer rank 0 reads it before
 each weight update: a URL it does not know is a restarted server, which joins that
 update (the weight group or world is rebuilt with it) and then the rotation
 (:meth:`realscale.inference.client.InferenceClient.add_server`). A server is never put
@@ -24,6 +25,7 @@ class RosterEntry:
     index: int  # the server's place in the run (its log is logs/server<index>.log)
     url: str
     restarts: int = 0  # how often the launcher started it again after it died
+    given_up: bool = False  # dead, its restarts used (launch.server_restarts): it will not come back
 
 
 def roster_path(out_dir: str) -> str:

@@ -7,8 +7,10 @@ job step) has exited is started again on the same index (its log appends to
 answers ``/health`` its URL goes into the run's roster (:mod:`realscale.inference.roster`),
 where trainer rank 0 finds it before the next weight update: the update reaches it, then
 it generates. Meanwhile the trainer's client has retired the dead one and resent its
-requests to the others, so the run never stops for a server; it fails only when no
-server is left for longer than its clients wait.
+requests to the others, so the run never stops for a server. When every server in
+rotation is dead at once, rank 0 republishes the current weights to the restarted ones
+while it waits for its batch (:mod:`realscale.publish.outage`); once the roster says
+every dead server was given up, the run fails with their names and logs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class ServerKeeper:
                 continue
             if slot.restarts >= self.limit:
                 slot.given_up = True
+                with self._lock:
+                    self._publish()  # trainer rank 0 reads it: this one will not come back
                 print(f"realscale: generation server {i} ({slot.url}) {why}; not started again "
                       f"(launch.server_restarts={self.limit} used); the run goes on with the others", flush=True)
                 continue
@@ -85,4 +89,4 @@ class ServerKeeper:
         print(f"realscale: generation server {i} is back on {url}; it joins the next weight update", flush=True)
 
     def _publish(self) -> None:
-        write_roster(self.out_dir, [RosterEntry(i, s.url, s.restarts) for i, s in enumerate(self.slots)])
+        write_roster(self.out_dir, [RosterEntry(i, s.url, s.restarts, s.given_up) for i, s in enumerate(self.slots)])

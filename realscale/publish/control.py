@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
-from realscale.inference.client import InferenceClient
+from realscale.inference.client import InferenceClient, NoServerError
 from realscale.inference.roster import read_roster, report_retired
 
 
@@ -60,6 +60,7 @@ class ServerControl:
         self.roster = roster
         self.ranks_per_server = ranks_per_server
         self._reported: set[str] = set()  # retired servers the launcher was told of
+        self._serving = {s.url.rstrip("/") for s in servers}  # servers the rollouts were given (to retire)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="server-control", daemon=True)
         self._thread.start()
@@ -91,10 +92,22 @@ class ServerControl:
         for url in self.run(_adder(urls, self.ranks_per_server)):  # one call on the client's loop for all
             self.servers.append(ServerEndpoint(url, self.ranks_per_server))
 
+    def reachable(self) -> bool:
+        """Whether some server (in rotation, or restarted and pending) answers for the weight
+        update now; the ones that do not are retired (as the update itself would)."""
+        return self.run(_reachable)
+
+    def known(self) -> list[str]:
+        """URLs of every server a weight update went to or will go to, retired ones too:
+        a roster URL not among them is a restarted server no update has reached yet (a
+        restarted server always has a new URL: the launchers pick another port)."""
+        return self.run(_known, 60.0)
+
     def resume(self, version: int) -> None:
         retired = [s.url for s in self.client.servers if s.retired]
-        if retired:
-            self.rollouts.retire(retired)
+        given = [u for u in retired if u in self._serving]  # not a restarted one that died before it served
+        if given:
+            self.rollouts.retire(given)
         if self.roster is not None and set(retired) - self._reported:
             report_retired(self.roster, sorted(set(retired) - self._reported))  # the launcher restarts them
             self._reported.update(retired)
@@ -103,6 +116,7 @@ class ServerControl:
         admitted = self.run(_admit_pending)  # the update reached them: they hold this version
         if admitted:
             self.rollouts.admit(admitted)
+            self._serving.update(admitted)
         self.rollouts.resume()
 
     def close(self) -> None:
@@ -126,6 +140,18 @@ def _adder(urls: list[str], ranks: int) -> Coro:
     async def add(client: "InferenceClient") -> list[str]:  # on the client's loop, like every other call
         return [u.rstrip("/") for u in urls if client.add_server(u, ranks, pending=True)]
     return add
+
+
+async def _reachable(client: "InferenceClient") -> bool:
+    try:
+        await client.update_targets()
+    except NoServerError:
+        return False
+    return True
+
+
+async def _known(client: "InferenceClient") -> list[str]:
+    return [s.url for s in client.servers]
 
 
 async def _admit_pending(client: "InferenceClient") -> list[str]:

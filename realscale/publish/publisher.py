@@ -12,7 +12,7 @@ from realscale.publish.broadcast import BroadcastTransport
 from realscale.publish.control import ServerControl
 from realscale.publish.disk import DiskTransport
 from realscale.publish.reshard import ReshardTransport
-from realscale.publish.transport import WeightTransport
+from realscale.publish.transport import SyncStats, WeightTransport, any_over_ranks
 from realscale.publish.vllm import VllmEngineTransport
 
 if TYPE_CHECKING:
@@ -41,13 +41,24 @@ class WeightPublisher:
         self.connected = False
 
     def publish(self, engine: "MegatronEngine", version: int) -> dict[str, float]:
+        """One update to ``version`` (every trainer rank). When no server answers (every one
+        died since the last look), nothing is sent: the run goes on at ``version``, and
+        rank 0 republishes it to the servers the launcher starts again while it waits for
+        its next batch (:mod:`realscale.publish.outage`)."""
         start = time.perf_counter()
         if not self.connected:
             self.transport.connect(engine, self.control)
             self.connected = True
         if self.control is not None:
             self.control.pause(self.pause_mode)
-        stats = self.transport.send(engine, version, self.control)
+        nobody = self.control is not None and not self.control.reachable()
+        if any_over_ranks(nobody):  # every rank learns it: the transport's collectives are skipped together
+            stats = SyncStats(extra={"perf/weight_sync_skipped": 1.0})
+            if self.control is not None:
+                print(f"realscale: no generation server answers for weight version {version}; it goes to the "
+                      "servers the launcher starts again", flush=True)
+        else:
+            stats = self.transport.send(engine, version, self.control)
         if self.control is not None:
             self.control.resume(version)
         stats.seconds = time.perf_counter() - start

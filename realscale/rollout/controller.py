@@ -12,7 +12,11 @@ Filters, in order:
 - *failed*: the episode raised (a server error after the client's retries). Counted, and
   the prompt is re-queued after a back-off. ``max_consecutive_failures`` failures with no
   success between them mean the servers are gone: :meth:`get_batch` raises
-  :class:`RolloutError` naming the last error.
+  :class:`RolloutError` naming the last error. With ``outages_handled`` (the trainer's
+  rollouts) a failure because no server is in rotation at all (every one dead) does not
+  count towards that: it is an outage, which trainer rank 0 sees (:meth:`rotation`) and
+  ends by republishing the weights to the servers the launcher started again, or fails
+  loudly (:mod:`realscale.publish.outage`).
 - *stale*: the group's oldest token lags the current version by more than η. With the
   batching rule below this cannot happen while versions move one at a time; it stays as
   the safety net for a trainer that skips versions. Such a group can never be trained
@@ -58,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptSample
 from realscale.data.groups import Group
-from realscale.inference.client import InferenceClient, dialect_for
+from realscale.inference.client import InferenceClient, NoServerError, dialect_for
 from realscale.rollout.staleness import StalenessManager
 from realscale.rollout.workflows import Workflow
 
@@ -97,6 +101,9 @@ class RolloutController:
             consecutive failure, at most 30 s).
         version: the weight version the servers start at.
         client_kwargs: InferenceClient options when ``client`` is a list of URLs.
+
+    ``outages_handled`` (an attribute, False unless set): failures while no server is in
+    rotation do not count towards ``max_consecutive_failures`` (module docstring).
     """
 
     def __init__(self, client: Callable[[], InferenceClient] | Sequence[str], dataset: Any, workflow: Workflow,
@@ -119,6 +126,7 @@ class RolloutController:
         self.max_consecutive_failures = int(max_consecutive_failures)
         self.retry_backoff = float(retry_backoff)
         self.client: InferenceClient | None = None
+        self.outages_handled = False
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -256,6 +264,12 @@ class RolloutController:
         (they hold the current version; rank 0's server control says which)."""
         self._require_started("admit_servers")
         asyncio.run_coroutine_threadsafe(self._admit(list(urls)), self._loop).result(timeout)
+
+    def rotation(self) -> list[str]:
+        """URLs of the servers requests go to now (in rotation: healthy, not retired)."""
+        if self.client is None:
+            return []
+        return [s.url for s in list(self.client.servers) if s.healthy and not s.retired]
 
     @property
     def version(self) -> int:
@@ -453,13 +467,15 @@ class RolloutController:
             self._cond.notify_all()
 
     def _on_failure(self, seq: int, sample: PromptSample, version: int, exc: Exception) -> None:
+        # no server in rotation at all: an outage that trainer rank 0 ends (module docstring), not a failing server
+        outage = self.outages_handled and isinstance(exc, NoServerError) and not self.rotation()
         with self._cond:
             self._finished_locked(version)
             self.staleness.on_reject()
             self._failures[type(exc).__name__] += 1
-            self._consecutive_failures += 1
-            n = self._consecutive_failures
-            if n >= self.max_consecutive_failures and self._fatal is None:
+            self._consecutive_failures += not outage
+            n = max(1, self._consecutive_failures)
+            if n >= self.max_consecutive_failures and self._fatal is None and not outage:
                 self._fatal = RolloutError(f"{n} episodes failed in a row; the generation servers look "
                                            f"unreachable. Last error: {type(exc).__name__}: {exc}")
                 self._fatal.__cause__ = exc

@@ -6,13 +6,16 @@ its event loop, HTTP client, workflow and reward scoring shared rank 0's interpr
 lists. Here the controller lives in a child process (:class:`ControllerProcess`) and
 rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
 
-- ``next_batch(n, version, timeout)`` -> :class:`RolloutBatch`: the child takes the ``n``
-  groups (waiting at most the recipe's batch limit, :func:`wait_for_groups`) and packs
-  them (:func:`pack_groups`); the packed tensors cross the pipe as raw bytes behind a
-  small pickled header (token lists are never pickled);
+- ``next_batch(n, version, timeout, poll_s, waited_s)`` -> :class:`RolloutBatch`: the
+  child takes the ``n`` groups (waiting at most the recipe's batch limit,
+  :func:`wait_for_groups`; with ``poll_s``, None after that many seconds: rank 0 waits in
+  slices and looks at the servers between them) and packs them (:func:`pack_groups`);
+  the packed tensors cross the pipe as raw bytes behind a small pickled header (token
+  lists are never pickled);
 - ``pause()`` / ``resume()`` (no new prompts, and the request clocks of the controller's
   client held, while the servers are paused for a weight update), ``set_version(v)``,
-  ``retire(urls)``, ``admit(urls)`` (restarted servers, once a weight update reached them), ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
+  ``retire(urls)``, ``admit(urls)`` (restarted servers, once a weight update reached them),
+  ``rotation()`` (the servers in rotation), ``stats()``, ``reward_pool_stats()`` (the code-reward pools live in
   the child), ``state_dict()``; ``stop()`` ends the child.
 
 :class:`LocalRollouts` is the same interface around a controller on a thread of this
@@ -56,7 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "admit", "stats", "reward_pool_stats", "state_dict")
+OPERATIONS = ("next_batch", "pause", "resume", "set_version", "retire", "admit", "rotation", "stats", "reward_pool_stats",
+              "state_dict")
 POLL_S = 1.0  # how often a waiting rank 0 checks that the child is alive
 BATCH_POLL_S = 30.0  # how often a wait for a batch re-reads its limit
 
@@ -82,22 +86,30 @@ def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> Roll
     return RolloutBatch(batch, stats, [g.uid for g in groups])
 
 
-def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int) -> list["Group"]:
+def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int, poll_s: float | None = None,
+                    waited_s: float = 0.0) -> list["Group"] | None:
     """``num_groups`` groups from the controller, waiting at most the batch limit that
     follows from the recipe's generation length and the measured decode rate (none while
     the request limit is none; realscale/inference/timeouts.py). The limit is re-read while
-    waiting, as rates get measured."""
+    waiting, as rates get measured. ``poll_s``: return None after that many seconds
+    without a batch (the caller waits in slices; ``waited_s``: what earlier slices of the
+    same wait counted towards the limit)."""
     r, g = cfg.rollout, cfg.generate
-    start = time.monotonic()
+    now = time.monotonic()
+    start, until = now - waited_s, None if poll_s is None else now + poll_s
     while True:
         limit = controller.client.timeouts.batch_limit(
             g.max_new_tokens, num_groups * r.n_samples, g.num_servers * g.max_running_requests)
         left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+        if until is not None:
+            left = min(left, until - time.monotonic())
         try:
             return controller.get_batch(num_groups, timeout=max(left, 0.0))
         except TimeoutError:
             if limit is not None and time.monotonic() - start >= limit:
                 raise
+            if until is not None and time.monotonic() >= until:
+                return None
 
 
 class LocalRollouts:
@@ -114,20 +126,30 @@ class LocalRollouts:
         rollout process i of k (realscale/rollout/sharded.py)."""
 
         controller = build_controller(cfg, model_dir, server_urls, out_dir, rank=shard[0], world=shard[1])
+        controller.outages_handled = True  # every server down: the driver republishes or fails (publish/outage.py)
         if state is not None:
             controller.load_state_dict(state)
         controller.pause()
         controller.start()
         return cls(controller, cfg)
 
-    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None, poll_s: float | None = None,
+                   waited_s: float = 0.0) -> RolloutBatch | None:
         """The next ``num_groups`` groups, packed; staleness measured against ``version``
-        (the trainer's). ``timeout``: seconds, or None for the recipe's batch limit."""
+        (the trainer's). ``timeout``: seconds, or None for the recipe's batch limit.
+        ``poll_s`` (with the batch limit): None once that many seconds passed without a
+        batch; ``waited_s`` of the limit were used by earlier calls (:func:`wait_for_groups`)."""
         if timeout is None:
-            groups = wait_for_groups(self.controller, self.cfg, num_groups)
+            groups = wait_for_groups(self.controller, self.cfg, num_groups, poll_s, waited_s)
+            if groups is None:
+                return None
         else:
             groups = self.controller.get_batch(num_groups, timeout=timeout)
         return pack_groups(groups, self.cfg.algo, version)
+
+    def rotation(self) -> list[list[str]]:
+        """Per rollout shard (here: one), the servers in rotation."""
+        return [self.controller.rotation()]
 
     def pause(self) -> None:
         """No new prompts; the servers are being paused, so requests held there do not
@@ -209,8 +231,12 @@ class ControllerProcess:
             return _recv_batch(self._conn, payload)
         return payload
 
-    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
-        return self._call("next_batch", num_groups, version, timeout)
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None, poll_s: float | None = None,
+                   waited_s: float = 0.0) -> RolloutBatch | None:
+        return self._call("next_batch", num_groups, version, timeout, poll_s, waited_s)
+
+    def rotation(self) -> list[list[str]]:
+        return self._call("rotation")
 
     def pause(self) -> None:
         self._call("pause")

@@ -22,7 +22,9 @@ tier": ``benchmarks/bench_rollout_tier.py``). Past that, :class:`ShardedRollouts
 How it departs from one controller: admission is per shard, so a shard whose servers are
 slower cannot borrow the others' room, and a batch waits for the slowest shard's share
 (with hundreds of groups per shard and alike servers, the spread is small). A restarted
-server (``admit``) joins the shard with the fewest servers.
+server (``admit``) joins the shard with the fewest servers not retired; a shard whose
+servers all died gets no share done until one joins it (trainer rank 0 republishes the
+weights to restarted servers then: :mod:`realscale.publish.outage`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ if TYPE_CHECKING:
 class Shard(Protocol):
     """What ShardedRollouts asks of one rollout process (ControllerProcess, LocalRollouts)."""
 
-    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch: ...
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None, poll_s: float | None = None,
+                   waited_s: float = 0.0) -> RolloutBatch | None: ...
+
+    def rotation(self) -> list[list[str]]: ...
 
     def pause(self) -> None: ...
 
@@ -168,30 +173,43 @@ class ShardedRollouts:
         self.shares = split_evenly(batch_size, len(shards))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="shard")
         self._ready: dict[int, RolloutBatch] = {}  # shares taken by a next_batch that another shard failed
+        self._retired: set[str] = set()  # servers a weight update retired
 
     def _each(self, fn: Any) -> list[Any]:
         """``fn(shard, i)`` on every shard at once; the first error is raised."""
         futures = [self._pool.submit(fn, s, i) for i, s in enumerate(self.shards)]
         return [f.result() for f in futures]
 
-    def next_batch(self, num_groups: int, version: int, timeout: float | None = None) -> RolloutBatch:
-        """Every shard's share, joined. A shard that runs out of time raises its error; the
-        shares the others already took are kept for the next call (they left their buffers)."""
+    def next_batch(self, num_groups: int, version: int, timeout: float | None = None, poll_s: float | None = None,
+                   waited_s: float = 0.0) -> RolloutBatch | None:
+        """Every shard's share, joined. A shard that runs out of time raises its error (with
+        ``poll_s``, one without its share yet makes it None); the shares the others
+        already took are kept for the next call (they left their buffers)."""
         if num_groups != sum(self.shares):
             raise ValueError(f"rollout shards: a batch is {sum(self.shares)} groups (the shards' shares "
                              f"{self.shares}), asked for {num_groups}")
         todo = [i for i in range(len(self.shards)) if i not in self._ready]
-        futures = {i: self._pool.submit(self.shards[i].next_batch, self.shares[i], version, timeout) for i in todo}
+        futures = {i: self._pool.submit(self.shards[i].next_batch, self.shares[i], version, timeout, poll_s, waited_s)
+                   for i in todo}
         error: BaseException | None = None
         for i, fut in futures.items():
             try:
-                self._ready[i] = fut.result()
+                part = fut.result()
             except Exception as exc:  # noqa: BLE001 - raised below, after the others' shares are kept
                 error = error or exc
+                continue
+            if part is not None:
+                self._ready[i] = part
         if error is not None:
             raise error
+        if len(self._ready) < len(self.shards):
+            return None
         parts, self._ready = [self._ready[i] for i in range(len(self.shards))], {}
         return join_batches(parts)
+
+    def rotation(self) -> list[list[str]]:
+        """Per shard, the servers in rotation (a shard with none makes no share of a batch)."""
+        return [urls for per in self._each(lambda s, i: s.rotation()) for urls in per]
 
     def pause(self) -> None:
         self._each(lambda s, i: s.pause())
@@ -204,17 +222,20 @@ class ShardedRollouts:
 
     def retire(self, urls: list[str]) -> None:
         mine = self._by_shard(urls)
+        self._retired.update(u for per in mine for u in per)
         self._each(lambda s, i: s.retire(mine[i]) if mine[i] else None)
 
     def admit(self, urls: list[str]) -> None:
         """Servers (restarted, holding this version) join: each one the shard that owns it,
-        a new one the shard with the fewest servers."""
+        a new one the shard with the fewest servers not retired (one whose servers all
+        died gets it first)."""
         mine: list[list[str]] = [[] for _ in self.shards]
         for url in (u.rstrip("/") for u in urls):
             owner = self._owner(url)
             if owner is None:
-                owner = min(range(len(self.shards)), key=lambda i: len(self.servers[i]))
+                owner = min(range(len(self.shards)), key=lambda i: len(set(self.servers[i]) - self._retired))
                 self.servers[owner].append(url)
+            self._retired.discard(url)
             mine[owner].append(url)
         self._each(lambda s, i: s.admit(mine[i]) if mine[i] else None)
 

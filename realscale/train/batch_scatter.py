@@ -10,12 +10,16 @@ Protocol (every trainer rank calls :meth:`~BatchScatter.scatter`; point-to-point
 the trainer's world group and broadcasts over megatron's TP groups; gloo on CPU, NCCL on
 GPUs with every buffer on the device, chosen by :mod:`realscale.parallel.device`):
 
-0. **start**: one barrier, so that a rank's ``seconds`` measure the transfer and not the
-   wait for rollouts. The other ranks wait here for the driver's batch, which takes as
-   long as generation does (the first batch of a long-answer recipe: longer than NCCL's
-   10-minute watchdog), so the barrier is on a gloo side group with a one-day timeout
-   (:func:`realscale.parallel.device.wait_group`), never inside an NCCL collective;
-   every NCCL call below starts once the driver holds its batch.
+0. **start**: the driver's *order*, so that a rank's ``seconds`` measure the transfer and
+   not the wait for rollouts. The other ranks wait here for the driver's batch, which
+   takes as long as generation does (the first batch of a long-answer recipe: longer than
+   NCCL's 10-minute watchdog), so the order is a broadcast on a gloo side group with a
+   one-day timeout (:func:`realscale.parallel.device.wait_group`), never inside an NCCL
+   collective; every NCCL call below starts once the driver holds its batch. The order
+   is :data:`BATCH` (steps 1-3 follow) or :data:`REPUBLISH`: every rank takes part in a
+   republish of the current weights (the caller's ``republish``: no generation server
+   was in rotation, :mod:`realscale.publish.outage`), then waits for the next order. The
+   driver gives that order with :meth:`BatchScatter.order_republish` while it waits.
 1. **DP hop**: for each data-parallel group ``d >= 1`` the driver sends the share of ``d``
    (the parts any of the group's stages reads) to the group's *entry*: its TP-rank-0
    process on the stage that reads the most (the last stage: it alone reads the loss
@@ -45,7 +49,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 TOKENS, CU = "input_ids", "cu_seqlens"
 PLACEHOLDER_TOKEN = -1
 DRIVER = 0
+BATCH, REPUBLISH = 0, 1  # the driver's orders at step 0 (module docstring)
 
 
 @dataclass(frozen=True)
@@ -174,16 +179,36 @@ class BatchScatter:
 
     # ------------------------------------------------------------------ one step
 
-    def scatter(self, shares: Sequence[Sequence[PackedBatch]] | None) -> tuple[list[PackedBatch], ScatterStats]:
+    def order_republish(self) -> None:
+        """The driver, while it waits for its batch: every other rank leaves its wait in
+        :meth:`scatter` to republish the weights with it (module docstring, step 0)."""
+        if self.rank != DRIVER:
+            raise RuntimeError("batch scatter: only the driver gives orders")
+        self._order(REPUBLISH)
+
+    def _order(self, order: int) -> int:
+        """Step 0 on the wait group: the driver sends ``order``, the others receive one."""
+        if self.start_group is None:
+            return order
+        holder = comm_empty(1, torch.int64, "gloo")
+        holder.fill_(order)
+        dist.broadcast(holder, DRIVER, group=self.start_group)
+        return int(holder.item())
+
+    def scatter(self, shares: Sequence[Sequence[PackedBatch]] | None,
+                republish: Callable[[], Any] | None = None) -> tuple[list[PackedBatch], ScatterStats]:
         """This rank's share of every mini-batch. ``shares[d][m]`` (driver only; None
-        elsewhere) is DP group ``d``'s share of mini-batch ``m``."""
+        elsewhere) is DP group ``d``'s share of mini-batch ``m``. ``republish`` (every rank
+        but the driver): what a :data:`REPUBLISH` order runs before the next order."""
 
         r = self.ranks
         if self.rank == DRIVER and (shares is None or len(shares) != r.dp):
             raise ValueError(f"batch scatter: the driver needs one list of shares per DP rank ({r.dp}), "
                              f"got {None if shares is None else len(shares)}")
-        if self.start_group is not None:
-            dist.barrier(group=self.start_group)
+        while self._order(BATCH) == REPUBLISH:  # only the driver's order counts: the others receive it
+            if republish is None:
+                raise RuntimeError("batch scatter: the driver ordered a republish, and this rank has nothing to run")
+            republish()
         start = time.perf_counter()
         stats = ScatterStats()
         held: dict[int, list[dict[str, torch.Tensor]]] = {}  # dp -> parts of each share, on this rank

@@ -60,6 +60,8 @@ def test_dead_server_is_started_again_within_its_limit(tmp_path: Path, capsys: p
     out = capsys.readouterr().out
     assert "exited with code -9; starting it again (1 of launch.server_restarts=1)" in out
     assert out.count("not started again (launch.server_restarts=1 used)") == 1
+    # the roster says so: trainer rank 0 stops waiting for it (realscale/publish/outage.py)
+    assert [e.given_up for e in read_roster(roster_path(str(tmp_path)))] == [False, True]
 
 
 def test_server_the_trainer_retired_is_ended_and_started_again(tmp_path: Path) -> None:

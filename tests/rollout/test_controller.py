@@ -234,6 +234,27 @@ def test_dead_servers_surface_as_error(tokenizer, arith_jsonl) -> None:
         assert ctl.stats()["failures"] >= 3
 
 
+def test_no_server_in_rotation_is_an_outage_the_trainer_ends(server, tokenizer, arith_jsonl) -> None:
+    """With ``outages_handled`` (the trainer's rollouts) failures while no server is in
+    rotation do not end the rollouts: trainer rank 0 republishes the weights to a restarted
+    server, which is admitted, and generation goes on (realscale/publish/outage.py)."""
+    url, _ = server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ds = PromptDataset(arith_jsonl, shuffle=False)
+    ctl = _controller(f"http://127.0.0.1:{port}", tokenizer, ds, 1, max_consecutive_failures=2,
+                      retry_backoff=0.01, client_kwargs={"max_retries": 1, "backoff": 0.01, "connect_timeout": 1.0})
+    ctl.outages_handled = True
+    with ctl:
+        with pytest.raises(TimeoutError):
+            ctl.get_batch(2, timeout=3)
+        assert ctl.stats()["failures"] >= 2 and ctl.rotation() == []
+        ctl.admit_servers([url])  # the restarted server, holding the current weights
+        assert ctl.rotation() == [url]
+        assert len(ctl.get_batch(2, timeout=60)) == 2
+
+
 def test_api_misuse_is_clear(tokenizer, arith_jsonl) -> None:
     ds = PromptDataset(arith_jsonl, shuffle=False)
     ctl = _controller("http://127.0.0.1:1", tokenizer, ds, 1)

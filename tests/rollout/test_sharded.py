@@ -58,12 +58,18 @@ class _FakeShard:
     def __init__(self, i: int, late: int = 0) -> None:
         self.i, self.calls, self.late = i, [], late
 
-    def next_batch(self, n: int, version: int, timeout: float | None = None) -> RolloutBatch:
+    def next_batch(self, n: int, version: int, timeout: float | None = None, poll_s: float | None = None,
+                   waited_s: float = 0.0) -> RolloutBatch | None:
         self.calls.append(("next_batch", n))
         if self.late:
             self.late -= 1
+            if poll_s is not None:
+                return None  # no share within the slice
             raise TimeoutError("not yet")
         return pack_groups(_groups(n), load_config(None, []).algo, version)
+
+    def rotation(self) -> list[list[str]]:
+        return [[f"http://s{self.i}"]]
 
     def __getattr__(self, op: str):  # noqa: ANN204 - every other operation is recorded
         return lambda *args: self.calls.append((op, *args)) or {"accepted": self.i + 1, "inflight_server_max": self.i}
@@ -80,8 +86,10 @@ def test_sharded_rollouts_route_by_owner() -> None:
     assert ("retire", ["http://b"]) in shards[1].calls and not any(c[0] == "retire" for c in shards[0].calls)
     with pytest.raises(ValueError, match="not a server of any shard"):
         r.retire(["http://z"])
-    r.admit(["http://c"])  # a new server: to the shard with the fewest (the first of equals)
-    assert r.servers[0] == ["http://a", "http://c"] and ("admit", ["http://c"]) in shards[0].calls
+    r.admit(["http://c"])  # a new server: to the shard with the fewest not retired (b was)
+    assert r.servers[1] == ["http://b", "http://c"] and ("admit", ["http://c"]) in shards[1].calls
+    r.admit(["http://d"])  # the first of equals
+    assert r.servers[0] == ["http://a", "http://d"] and ("admit", ["http://d"]) in shards[0].calls
     r.set_version(3)
     assert all(("set_version", 3) in s.calls for s in shards)
     assert join_controller_stats([{"accepted": 1, "inflight_server_max": 4}, {"accepted": 2}])["accepted"] == 3
@@ -94,3 +102,23 @@ def test_a_late_shard_keeps_the_others_shares() -> None:
         r.next_batch(4, 0)
     assert r.next_batch(4, 0).batch.num_seqs == 4 * 4  # shard 0's share from the first call, not asked again
     assert [c[0] for c in shards[0].calls] == ["next_batch"] and [c[0] for c in shards[1].calls] == ["next_batch"] * 2
+
+
+def test_a_slice_without_every_share_is_none_and_keeps_the_shares() -> None:
+    shards = [_FakeShard(0), _FakeShard(1, late=2)]
+    r = ShardedRollouts(shards, [["http://a"], ["http://b"]], batch_size=4)
+    assert r.next_batch(4, 0, poll_s=1.0) is None and r.next_batch(4, 0, poll_s=1.0) is None
+    assert r.next_batch(4, 0, poll_s=1.0).batch.num_seqs == 4 * 4
+    assert [c[0] for c in shards[0].calls] == ["next_batch"] and [c[0] for c in shards[1].calls] == ["next_batch"] * 3
+    assert r.rotation() == [["http://s0"], ["http://s1"]]
+
+
+def test_a_restarted_server_joins_the_shard_whose_servers_died() -> None:
+    shards = [_FakeShard(0), _FakeShard(1)]
+    r = ShardedRollouts(shards, [["http://a"], ["http://b"]], batch_size=2)
+    r.retire(["http://b"])  # shard 1 has no server left
+    r.admit(["http://c"])
+    assert r.servers == [["http://a"], ["http://b", "http://c"]] and ("admit", ["http://c"]) in shards[1].calls
+    r.retire(["http://a", "http://b"])  # cumulative, as server control sends it
+    r.admit(["http://d", "http://e"])  # shard 0 (none left) first, then the first of equals
+    assert r.servers == [["http://a", "http://d", "http://e"], ["http://b", "http://c"]]

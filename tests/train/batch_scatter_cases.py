@@ -86,3 +86,36 @@ def _one_layout(tp: int, pp: int, num_mini: int, num_seqs: int) -> dict[str, Any
     return {"where": (r.dp_rank, r.pp_rank, r.tp_rank), "problems": problems, "count": len(mine),
             "bytes": stats.bytes, "header_bytes": stats.header_bytes, "bound": stats.lower_bound,
             "need": need if dist.get_rank() != 0 else 0, "batch_bytes": sum(t.nbytes for t in synthetic_batch(num_seqs).to_payload().values())}
+
+
+def republish_orders(times: int) -> dict[str, Any]:
+    """Two ranks (dp 2): while the driver "waits for its batch" it orders ``times``
+    republishes, each a collective of both ranks (as a weight transport is); then the
+    batch. Every rank's republish count and its share's sequences."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from realscale.config import AlgoConfig
+    from realscale.train.actor import split_for_dp, stage_needs
+    from realscale.train.batch_scatter import BatchScatter
+
+    rank = dist.get_rank()
+    ranks = types.SimpleNamespace(dp=2, pp=1, tp=1, dp_rank=rank, pp_rank=0, tp_rank=0)
+    scatter = BatchScatter(ranks, stage_needs(AlgoConfig()))
+    done = []
+
+    def republish() -> None:
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)  # every rank takes part, or this hangs
+        done.append(int(total))
+
+    split = None
+    if rank == 0:
+        for _ in range(times):
+            scatter.order_republish()
+            republish()
+        split = split_for_dp(synthetic_batch(8), 1, 2)
+    mine, _ = scatter.scatter(split, republish=republish)
+    return {"republished": done, "seqs": sum(b.num_seqs for b in mine)}

@@ -5,7 +5,7 @@ balanced share of each mini-batch), and the tensor bytes moved equal the lower b
 from __future__ import annotations
 
 import pytest
-from batch_scatter_cases import scatter_vs_broadcast, synthetic_batch
+from batch_scatter_cases import republish_orders, scatter_vs_broadcast, synthetic_batch
 
 from realscale.train.batch_scatter import StageNeeds
 from realscale.parallel.spawn import run_distributed
@@ -27,6 +27,15 @@ def test_scatter_matches_broadcast_and_moves_the_lower_bound() -> None:
         assert all(r["header_bytes"] < 1000 * r["count"] for r in results)
         # each rank gets part of the batch, never all of it
         assert all(r["bytes"] < r["batch_bytes"] for r in results), layout
+
+
+@pytest.mark.multiproc
+def test_waiting_ranks_republish_when_the_driver_orders_it() -> None:
+    """Step 0 carries the driver's order: "republish" (no server in rotation: every rank
+    joins the weight update, realscale/publish/outage.py), then "here is the batch"."""
+    by_rank = run_distributed(republish_orders, 2, 2, timeout=120)
+    assert [r["republished"] for r in by_rank] == [[3, 3], [3, 3]]
+    assert sum(r["seqs"] for r in by_rank) == 8 and all(r["seqs"] > 0 for r in by_rank)
 
 
 def test_stage_needs_give_middle_stages_no_tokens() -> None:

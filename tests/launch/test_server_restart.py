@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,4 +102,65 @@ def test_two_rollout_processes_train_every_prompt_once(tmp_path: Path) -> None:
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in metrics if "train/loss" in m]
     assert all(m["rollout/groups"] == 2 and m["rollout/servers_alive"] == 2 for m in logged), logged[-1]
+    assert all(m.get("staleness/max", 0) <= 1 for m in metrics)
+
+
+def test_every_server_killed_at_once_gets_the_weights_again(tmp_path: Path) -> None:
+    """Both servers SIGKILLed at once (issue 30, "all servers down"): no rollout can come,
+    so no step and no weight update would either. Trainer rank 0 sees that no server is in
+    rotation while it waits for its batch; once the launcher has started them again it
+    republishes the current weights (the same version) to them, every trainer rank taking
+    part, and the run finishes. The launcher is held (SIGSTOP) until the trainer says it
+    waits for it, so the outage is certain to fall into a wait for a batch."""
+    import threading
+
+    total = 5
+    run = tmp_path / "r"
+    # η = 0: at most one batch is ready ahead, so a later step must wait for the restarted servers
+    args = [a for a in ARGS if not a.startswith(("run.total_steps", "rollout.max_staleness"))] + [
+        f"run.total_steps={total}", "rollout.max_staleness=0", "generate.num_servers=2", "generate.control_timeout_s=5"]
+    cmd = [sys.executable, "-m", "realscale", "train", f"run.output_dir={tmp_path}", "run.name=r", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[bytes] = []
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, b""):
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    text = lambda: b"".join(lines).decode(errors="replace")  # noqa: E731
+    try:
+        deadline = time.monotonic() + 400
+        while len(trained_steps(run)) < 2:
+            assert proc.poll() is None, text()[-3000:]
+            assert time.monotonic() < deadline, "no second step in time"
+            time.sleep(0.3)
+        servers = _servers_of(proc.pid)
+        assert len(servers) == 2, servers
+        os.kill(proc.pid, signal.SIGSTOP)  # the launcher: no restart yet
+        for pid in servers:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "waiting for the launcher to start again" not in text():
+            assert proc.poll() is None and time.monotonic() < deadline, text()[-3000:]
+            time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(timeout=600)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = text()
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("starting it again (1 of launch.server_restarts=3)") == 2, out[-3000:]
+    assert "no generation server in rotation; republishing the current weights" in out, out[-3000:]
+    republished = [int(v) for v in re.findall(r"republished weight version (\d+) in", out)]
+    assert republished and set(republished) <= set(range(2, total)), out[-3000:]  # the version trained last
+    assert trained_steps(run) == list(range(1, total + 1))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "train/loss" in m]
+    assert [m["version"] for m in logged] == [float(v) for v in range(1, total + 1)]
+    assert logged[-1]["rollout/republishes"] >= 1 and logged[-1]["rollout/server_restarts"] == 2, logged[-1]
+    assert logged[-1]["rollout/servers_alive"] >= 1, logged[-1]
     assert all(m.get("staleness/max", 0) <= 1 for m in metrics)

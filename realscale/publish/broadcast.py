@@ -159,6 +159,11 @@ class StageBroadcastTransport(WeightTransport):
     def _name(self, stage: int) -> str:
         return f"{self.group_name}-stage{stage}"
 
+    def _turn_key(self, stage: int) -> str:
+        """The store key on which rank 0 tells ``stage``'s leader whether its part of this
+        round is sent (every rank counts the rounds alike)."""
+        return f"realscale/stage-broadcast/{self.group_name}/{self.rounds}/stage{stage}"
+
     def connect(self, engine: "MegatronEngine", control: ServerControl | None) -> None:
         groups = engine.export_groups()
         self.stage, self.leader, self.control = groups.pp_rank, groups.is_sender_column, control
@@ -219,7 +224,7 @@ class StageBroadcastTransport(WeightTransport):
         """(bytes this rank sent, whether servers went away mid-way). Every rank exports
         its stage to the end (the TP gathers run in step)."""
         self.rounds += 1
-        key = f"realscale/stage-broadcast/{self.group_name}/{self.rounds}/stage{self.stage}"
+        key = self._turn_key(self.stage)
         buckets = engine.export_hf_weights(bucket_bytes=self.bucket_bytes, stage_local=True)
         if self.control is not None:
             return self._drive(buckets, version, last)
@@ -245,7 +250,7 @@ class StageBroadcastTransport(WeightTransport):
         """Rank 0: the session over every stage's group; its own stage's buckets it sends."""
         parts = [WeightPart(self.sender, buckets, len(self.metas[0]))]
         for stage, remote in self.remotes.items():
-            remote.key, remote.started = f"realscale/stage-broadcast/{self.group_name}/{self.rounds}/stage{stage}", False
+            remote.key, remote.started = self._turn_key(stage), False
             parts.append(WeightPart(remote, _meta_buckets(self.metas[stage]), len(self.metas[stage])))
         try:
             return self.control.run(lambda c: c.update_weights_in_parts(parts, self.members, weight_version=version,

@@ -304,6 +304,7 @@ class ServerRanks:
         self._closing = False
         self._startup_error: str | None = None
         self._lock = threading.Lock()
+        self._fail_lock = threading.Lock()
 
     @classmethod
     def of_running(cls, worker: RankWorker, ctl: Any, max_len: int) -> "ServerRanks":
@@ -401,7 +402,7 @@ class ServerRanks:
                 _broadcast_tensor(self.ctl, payload, payload.numel(), torch.int64)
                 return self.worker.step(slot0, ids, start, last, moves)
             except BaseException as exc:
-                self._fail(f"a forward pass failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step")
+                self._collective_failed("a forward pass", exc)
                 raise
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
@@ -412,10 +413,14 @@ class ServerRanks:
             with self._lock:
                 self._check()
                 payload = _to_bytes((method, args))
-                _broadcast_header(self.ctl, [OP_CALL, 0, 0, 0, 0, payload.numel()])
-                _broadcast_tensor(self.ctl, payload, payload.numel(), torch.uint8)
-                results = _allgather_objects(self.ctl, _invoke(self.worker, self._startup_error, method, args),
-                                             self.tp)
+                try:
+                    _broadcast_header(self.ctl, [OP_CALL, 0, 0, 0, 0, payload.numel()])
+                    _broadcast_tensor(self.ctl, payload, payload.numel(), torch.uint8)
+                    results = _allgather_objects(self.ctl, _invoke(self.worker, self._startup_error, method, args),
+                                                 self.tp)
+                except BaseException as exc:
+                    self._collective_failed(method, exc)
+                    raise
         errors = [f"rank {r}: {value}" for r, (ok, value) in enumerate(results) if not ok]
         if errors:
             raise RankCallError(f"{method}: " + "; ".join(errors))
@@ -431,19 +436,38 @@ class ServerRanks:
             raise RankCallError(f"the server's ranks failed: {self.failure}")
 
     def _fail(self, reason: str) -> None:
-        if self.failure is not None or self._closing:
-            return
-        self.failure = reason
+        with self._fail_lock:  # the watcher thread and a failed collective can race here
+            if self.failure is not None or self._closing:
+                return
+            self.failure = reason
         log.error("tensor-parallel server: %s", reason)
         if self.on_failure is not None:
             self.on_failure(reason)
 
-    def _watch(self) -> None:
+    def _dead_rank(self, timeout: float | None) -> str | None:
+        """Which follower exited (waiting up to ``timeout`` for one to), as the failure's reason."""
+        if not self.procs:  # ranks of_running: not our processes to watch
+            return None
         sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs, 1)}
-        ready = multiprocessing.connection.wait(list(sentinels))
+        ready = multiprocessing.connection.wait(list(sentinels), timeout)
+        if not ready:
+            return None
         r, p = sentinels[ready[0]]
         p.join(1)
-        self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        return f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+
+    def _collective_failed(self, what: str, exc: BaseException) -> None:
+        """A collective with the followers failed. Most often a follower died and gloo saw the
+        closed socket before the watcher saw the exit: wait a moment for the exit so the
+        reason names the dead rank, not gloo's generic message."""
+        log.error("tensor-parallel server: %s failed on rank 0 (%s: %s)", what, type(exc).__name__, exc)
+        dead = self._dead_rank(timeout=2.0)
+        self._fail(dead or f"{what} failed on rank 0 ({type(exc).__name__}: {exc}); the ranks are out of step")
+
+    def _watch(self) -> None:
+        reason = self._dead_rank(timeout=None)
+        assert reason is not None
+        self._fail(reason)
 
     def alive(self) -> bool:
         return self.failure is None

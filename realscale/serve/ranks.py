@@ -53,6 +53,7 @@ import multiprocessing.connection
 import os
 import pickle
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -453,7 +454,11 @@ class ServerRanks:
         if not ready:
             return None
         r, p = sentinels[ready[0]]
-        p.join(1)
+        # The sentinel (a pipe) closes as the kernel tears the process down, a moment before it
+        # can be reaped: join() alone can return with no exit code yet.
+        deadline = time.monotonic() + 5.0
+        while p.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         return f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
 
     def _collective_failed(self, what: str, exc: BaseException) -> None:

@@ -1,13 +1,17 @@
 """Time of one RL policy update (proximal log-probs + 4 PPO mini-batch steps) of the
-default recipe's shape, against the packed micro-batch token budget.
+default recipe's shape, against the packed micro-batch token budget, for two attention
+implementations on the local (CPU) layer spec, side by side in one run:
 
-On CPU the local layer spec's attention builds a dense block-causal ``T x T`` mask over
-each packed row, so the cost of a micro-batch grows with the square of its budget while
-the megatron schedule adds a fixed cost per micro-batch: the budget has a sweet spot.
+* ``packed``: :class:`realscale.models.attention.PackedSDPAttention`, what the engine
+  uses: attention within each packed sequence (SDPA over length groups).
+* ``dense``: what the engine did before, megatron's own ``DotProductAttention`` over the
+  whole packed row with a dense block-causal ``[T, T]`` mask (rebuilt here, below), whose
+  cost grows with the square of the budget.
+
 Same model, same batch, one process, one run; writes
 ``benchmarks/results/rl_update_budget.json``.
 
-    python benchmarks/bench_rl_update.py [--budgets 256 512 1024 2048] [--reps 3]
+    python benchmarks/bench_rl_update.py [--budgets 512 2048 4096] [--reps 3]
 """
 
 from __future__ import annotations
@@ -36,29 +40,54 @@ def _batch(seqs: int, prompt: int, response: int) -> object:
          "advantages": [torch.randn(n, generator=g) for _ in range(seqs)], "versions": [m.clone() for m in mask]})
 
 
-def _rank(model_dir: str, budgets: list[int], reps: int, seqs: int, prompt: int, response: int) -> dict[int, float]:
+def _dense_attention() -> type:
+    """The engine's attention before PackedSDPAttention: megatron's ``DotProductAttention``
+    over the whole packed row, masked block-causally (True = masked out)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class DenseMaskAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            cu = packed_seq_params.cu_seqlens_q.long()
+            seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+            mask = ~((seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril())
+            out = super().forward(query[:, None], key[:, None], value[:, None], mask[None, None], attn_mask_type)
+            return out[:, 0]
+
+    return DenseMaskAttention
+
+
+def _rank(model_dir: str, budgets: list[int], reps: int, seqs: int, prompt: int,
+          response: int) -> dict[str, dict[int, float]]:
+    import realscale.models.attention as attention
     from realscale.config import load_config
-    from realscale.train.engine import EngineConfig, MegatronEngine
     from realscale.train.actor import split_for_dp, update_policy
+    from realscale.train.engine import EngineConfig, MegatronEngine
 
     batch = _batch(seqs, prompt, response)
-    out = {}
+    packed = attention.PackedSDPAttention
+    out: dict[str, dict[int, float]] = {"packed": {}, "dense": {}}
     for budget in budgets:
-        cfg = load_config("configs/tiny_cpu.yaml", [f"train.max_tokens_per_micro_batch={budget}"])
-        eng = MegatronEngine(EngineConfig(model_path=model_dir, lr=1e-5, max_tokens_per_micro_batch=budget))
-        update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)  # warm-up
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)
-            times.append(time.perf_counter() - t)
-        out[budget] = min(times)
+        for impl in out:
+            attention.PackedSDPAttention = packed if impl == "packed" else _dense_attention()  # read by layer_spec
+            try:
+                cfg = load_config("configs/tiny_cpu.yaml", [f"train.max_tokens_per_micro_batch={budget}"])
+                eng = MegatronEngine(EngineConfig(model_path=model_dir, lr=1e-5, max_tokens_per_micro_batch=budget))
+            finally:
+                attention.PackedSDPAttention = packed
+            update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)  # warm-up
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                update_policy(eng, split_for_dp(batch, cfg.train.mini_batches, 1)[0], cfg)
+                times.append(time.perf_counter() - t)
+            out[impl][budget] = min(times)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seqs", type=int, default=256, help="sequences per batch (32 prompts x 8 samples)")
     ap.add_argument("--prompt", type=int, default=24, help="prompt tokens (the chat template around '23+19=')")
@@ -70,12 +99,15 @@ def main() -> None:
                                  num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, seed=0)
     times = run_distributed(_rank, 1, model_dir, args.budgets, args.reps, args.seqs, args.prompt, args.response,
                             timeout=1800)[0]
-    best = min(times.values())
-    for budget, t in times.items():
-        print(f"budget {budget:5d} tokens: {t:6.2f} s per update  ({t / best:.2f}x the best)")
+    best_dense = min(times["dense"].values())
+    for budget in args.budgets:
+        p, d = times["packed"][budget], times["dense"][budget]
+        print(f"budget {budget:5d} tokens: packed {p:6.2f} s, dense mask {d:6.2f} s per update "
+              f"(the best dense budget / packed here: {best_dense / p:.2f}x)")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
-        json.dump({"seconds_per_update": {str(k): v for k, v in times.items()}, "args": vars(args)}, fh, indent=1)
+        json.dump({"seconds_per_update": {impl: {str(k): v for k, v in t.items()} for impl, t in times.items()},
+                   "args": vars(args), "load_average_before": os.getloadavg()}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ class OptimConfig:
 class TrainConfig:
     """How a batch becomes optimizer steps."""
 
-    max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch. On CPU (local layer spec) attention is a dense block-causal mask over the packed row, so its cost grows with the square of this budget: keep it near 512 there.")
+    max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch. Attention stays within each packed sequence on both layer specs (THD; models/attention.py on the local spec), so a longer row costs no more per token: the budget trades activation memory for fewer, larger kernels.")
     mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
     logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
     recompute: str = knob("auto", "Activation recomputation (Megatron): none, selective (core attention), full (every layer's activations recomputed in backward from its saved input, one layer at a time) or auto (what parallel.plan's actor_train says, else none).")

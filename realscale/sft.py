@@ -61,9 +61,9 @@ if TYPE_CHECKING:
     from realscale.data.tokens import Tokenizer
 
 MODEL_FAMILY = "qwen2"
-# The packed micro-batch budget: attention on CPU is dense over a packed row, so short
-# rows (a few hundred tokens) cost far less than one row holding the whole batch.
-SFT_MICRO_BATCH_TOKENS = 512
+# The packed micro-batch budget. Attention stays within each packed sequence
+# (models/attention.py), so one row may hold a whole warm-start batch: fewer, larger kernels.
+SFT_MICRO_BATCH_TOKENS = 4096
 STAGE_RESULT = "sft_stage.json"  # rank 0's account of a stage, in the stage's directory
 
 

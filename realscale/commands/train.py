@@ -74,13 +74,9 @@ def _check_hardware(cfg: "Config") -> None:
 
 def _check_attention(cfg: "Config") -> None:
     """A GPU run whose packed micro-batches need Transformer Engine, without a working one."""
-    from realscale.models.family import load_arch
     from realscale.models.megatron_gpt import check_attention_path, te_available
 
-    if cfg.model.path == "sft" or not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        return  # built by the run: the engine checks it on every rank before the first step
-    check_attention_path(load_arch(cfg.model.path), cfg.train.max_tokens_per_micro_batch, cfg.parallel.tp,
-                         on_gpu=True, use_te=te_available())
+    check_attention_path(cfg.train.max_tokens_per_micro_batch, on_gpu=True, use_te=te_available())
 
 
 def _check_code_sandbox(cfg: "Config") -> None:

@@ -42,21 +42,22 @@ def te_available() -> bool:
     return te_status()[0]
 
 
-# Above this many tokens in a packed micro-batch, megatron's local spec (no TE) is refused
-# on GPUs: its attention materialises [heads, T, T] scores over the whole packed row.
+# Above this many tokens in a packed micro-batch, GPU runs without TE are refused. The local
+# spec's attention is PackedSDPAttention (models/attention.py: per-sequence SDPA, no dense
+# [T, T] mask any more), but it has never run on a GPU; until a GPU session measures its
+# memory and speed at long rows, TE's fused attention stays the only long-row GPU path.
 DENSE_ATTENTION_TOKENS = 8192
 
 
-def check_attention_path(arch: ModelArch, max_tokens: int, tp: int, *, on_gpu: bool, use_te: bool) -> None:
-    """A GPU run whose micro-batches would go through the dense local attention refuses to
-    start, in one line saying what to install (a silent fallback would OOM hours later)."""
+def check_attention_path(max_tokens: int, *, on_gpu: bool, use_te: bool) -> None:
+    """A GPU run whose long micro-batches would go through the local spec's attention (not
+    yet run on a GPU) refuses to start, in one line saying what to install."""
     if not on_gpu or use_te or max_tokens <= DENSE_ATTENTION_TOKENS:
         return
-    gib = max(1, arch.num_heads // tp) * max_tokens ** 2 * 2 / 2 ** 30  # bf16 scores, one layer, one rank
     why = te_status()[1] or "is turned off (use_te=false)"
     raise UserError(f"train.max_tokens_per_micro_batch={max_tokens} on GPUs needs Transformer Engine, which {why}: "
-                    f"without it megatron's local attention builds [heads, T, T] scores over each packed micro-batch "
-                    f"({gib:.0f} GiB per layer per rank here). Install it (pip install --no-build-isolation "
+                    f"the local layer spec's packed attention has not been validated on GPUs above "
+                    f"{DENSE_ATTENTION_TOKENS} tokens per micro-batch. Install it (pip install --no-build-isolation "
                     f"'transformer_engine[pytorch]', built against this torch) or set "
                     f"train.max_tokens_per_micro_batch<={DENSE_ATTENTION_TOKENS}")
 
@@ -113,7 +114,12 @@ def layer_spec(arch: ModelArch, use_te: bool | None = None) -> Any:
         use_te = te_available()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.family.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+    from realscale.models.attention import PackedSDPAttention
+
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+    # packed sequences as THD, like the TE spec, instead of a dense [T, T] mask (models/attention.py)
+    spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
+    return spec
 
 
 def build_gpt(arch: ModelArch, config: TransformerConfig, *, pre_process: bool, post_process: bool,

@@ -85,11 +85,3 @@ class PackedBatch:
     def from_payload(cls, payload: dict[str, torch.Tensor]) -> "PackedBatch":
         fields = {k[2:]: v for k, v in payload.items() if k.startswith("f.")}
         return cls(payload["input_ids"], payload["cu_seqlens"], fields)
-
-
-def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
-    """Attention mask for a packed row, True = masked out: each token sees the earlier
-    tokens of its own sequence only. Shape ``[1, 1, T, T]``."""
-    same = seq_ids[:, None] == seq_ids[None, :]
-    causal = torch.ones(len(seq_ids), len(seq_ids), dtype=torch.bool).tril_()
-    return ~(same & causal)[None, None]

@@ -5,12 +5,13 @@ One engine for CPU (gloo + :mod:`megatron_patches.cpu`, local layer spec) and GP
 :class:`MegatronEngine` after ``torch.distributed`` is up; the layout (tp, pp, dp) comes
 from the config and the world size.
 
-Packed sequences: a micro-batch is one row of back-to-back sequences. With the local
-spec (CPU) attention gets a block-diagonal causal mask and RoPE positions run over the
-whole row — RoPE scores depend only on the distance between two tokens of the same
-sequence, so this equals per-sequence positions (the tests compare with HF per
-sequence). With the TE spec (GPU) the row is passed as THD with ``PackedSeqParams`` and
-no mask. The GPU path was not run in this repository's CI (no GPU there).
+Packed sequences: a micro-batch is one row of back-to-back sequences, passed to the
+model as THD (``PackedSeqParams`` with the row's ``cu_seqlens``, no mask) for both layer
+specs: the TE spec's fused attention and, on the local spec (CPU, or GPUs without TE),
+:class:`~realscale.models.attention.PackedSDPAttention`, which attends within each
+sequence only. With TE, RoPE positions restart at each sequence (megatron's THD RoPE);
+on the local spec they run over the whole row (``_stage_forward`` says why), which gives
+the same scores. The TE path was not run in this repository's CI (no GPU there).
 
 Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
 data-parallel rank first; the loss function divides by that global total, so the sum
@@ -39,7 +40,7 @@ from realscale.models.megatron_gpt import build_gpt, check_attention_path, te_av
 from realscale.parallel.device import comm_device, comm_empty, cuda_usable, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
-from realscale.train.batch import PackedBatch, block_causal_mask
+from realscale.train.batch import PackedBatch
 from realscale.train.logprobs import logprobs_from_hidden, next_token_targets
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class MegatronEngine:
             self.hf_config = json.load(fh)
         self.use_te = te_available() if ec.use_te is None else ec.use_te
         on_gpu = cuda_usable()
-        check_attention_path(self.arch, ec.max_tokens_per_micro_batch, ec.tp, on_gpu=on_gpu, use_te=self.use_te)
+        check_attention_path(ec.max_tokens_per_micro_batch, on_gpu=on_gpu, use_te=self.use_te)
         if on_gpu and not self.use_te and ec.use_te is None:  # said once, in the rank's log
             log.warning("Transformer Engine %s: the local (torch) layer spec is used", te_status()[1])
         config = transformer_config(self.arch, tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel,
@@ -212,15 +213,10 @@ class MegatronEngine:
         pad = 0
         if self.ec.sequence_parallel and ids.numel() % self.ec.tp:
             pad = self.ec.tp - ids.numel() % self.ec.tp  # SP splits the row evenly over TP
-        seq_ids = mb.seq_ids()
         if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-            seq_ids = torch.cat([seq_ids, torch.arange(pad) + mb.num_seqs])  # each pad token on its own
-        row = {"tokens": ids[None], "positions": torch.arange(ids.numel())[None], "n": torch.tensor(mb.num_tokens)}
-        if self.use_te:
-            row["cu_seqlens"] = torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad]) if pad else mb.cu_seqlens
-        else:
-            row["mask"] = block_causal_mask(seq_ids)
+            ids = torch.cat([ids, ids.new_zeros(pad)])  # the pad tokens: one more sequence of their own
+        row = {"tokens": ids[None], "positions": torch.arange(ids.numel())[None], "n": torch.tensor(mb.num_tokens),
+               "cu_seqlens": torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad]) if pad else mb.cu_seqlens}
         if self.device.type != "cpu":
             row = {k: v.to(self.device) for k, v in row.items()}
         return row
@@ -235,13 +231,25 @@ class MegatronEngine:
             from megatron.core.packed_seq_params import PackedSeqParams
 
             cu = row["cu_seqlens"].to(torch.int32)
-            max_len = int((cu[1:] - cu[:-1]).max())
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                     max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            if self.use_te:
+                max_len = int((cu[1:] - cu[:-1]).max())
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            else:
+                # PackedSDPAttention reads cu_seqlens_q; megatron's THD RoPE reads the *_padded
+                # boundaries (attention.py:1081-1089). Given the whole row as one padded
+                # sequence, RoPE rotates every token in one call at its row position instead of
+                # looping over sequences in Python (rope_utils.py:214-238, ~25% of a CPU step):
+                # RoPE scores depend only on distances within a sequence, so the result is the
+                # same as per-sequence positions (the HF comparisons in tests/train check it).
+                whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         cu_seqlens_q_padded=whole, cu_seqlens_kv_padded=whole,
+                                         max_seqlen_q=int(cu[-1]), max_seqlen_kv=int(cu[-1]))
         pre = gpt._preprocess(input_ids=row["tokens"], position_ids=row["positions"], decoder_input=None,
                               inference_context=None, packed_seq_params=packed)
         decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
-        return gpt.decoder(hidden_states=decoder_input, attention_mask=row.get("mask"),
+        return gpt.decoder(hidden_states=decoder_input, attention_mask=None,
                            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                            rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed,
                            sequence_len_offset=sequence_len_offset)

@@ -12,29 +12,19 @@ import pytest
 from realscale import kernels
 from realscale.errors import UserError
 from realscale.models import megatron_gpt
-from realscale.models.family import ModelArch, arch_from_hf
 from realscale.models.megatron_gpt import DENSE_ATTENTION_TOKENS, check_attention_path, te_status
 
 
-def _arch() -> ModelArch:
-    """Qwen2.5-7B's shape (28 heads)."""
-    return arch_from_hf({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-                         "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
-                         "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 32768,
-                         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False})
-
-
 def test_long_packed_micro_batches_on_gpus_need_te() -> None:
-    arch = _arch()
     with pytest.raises(UserError) as err:
-        check_attention_path(arch, 32768, 1, on_gpu=True, use_te=False)
+        check_attention_path(32768, on_gpu=True, use_te=False)
     msg = str(err.value)
-    assert "\n" not in msg and "train.max_tokens_per_micro_batch=32768" in msg and "56 GiB per layer" in msg
+    assert "\n" not in msg and "train.max_tokens_per_micro_batch=32768" in msg and "not been validated on GPUs" in msg
     assert "transformer_engine[pytorch]" in msg and f"<={DENSE_ATTENTION_TOKENS}" in msg
     # within the bound, with TE, or on CPU: nothing to refuse
-    check_attention_path(arch, DENSE_ATTENTION_TOKENS, 1, on_gpu=True, use_te=False)
-    check_attention_path(arch, 32768, 1, on_gpu=True, use_te=True)
-    check_attention_path(arch, 32768, 1, on_gpu=False, use_te=False)
+    check_attention_path(DENSE_ATTENTION_TOKENS, on_gpu=True, use_te=False)
+    check_attention_path(32768, on_gpu=True, use_te=True)
+    check_attention_path(32768, on_gpu=False, use_te=False)
 
 
 def test_te_that_does_not_import_is_reported_as_broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +41,7 @@ def test_te_that_does_not_import_is_reported_as_broken(tmp_path: Path, monkeypat
         ok, why = te_status()
         assert not ok and "does not import" in why and "undefined symbol" in why and "rebuild it against torch" in why
         with pytest.raises(UserError, match="does not import"):
-            check_attention_path(_arch(), 16384, 2, on_gpu=True, use_te=megatron_gpt.te_available())
+            check_attention_path(16384, on_gpu=True, use_te=megatron_gpt.te_available())
     finally:
         te_status.cache_clear()
         for name in [m for m in sys.modules if m.startswith("transformer_engine")]:

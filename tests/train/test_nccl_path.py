@@ -39,7 +39,7 @@ def test_normalize_over_batch_moments_go_through_the_device_helper() -> None:
 
 @pytest.mark.multiproc
 def test_ranks_wait_for_a_late_first_batch_outside_the_default_group() -> None:
-    timeout_s, delay_s = 15.0, 25.0
+    timeout_s, delay_s = 10.0, 16.0
     out = run_distributed(late_driver_batch, 2, delay_s, 12, collective_timeout_s=timeout_s,
                           env={CONTRACT_ENV: "nccl"}, timeout=600)
     assert sum(r["seqs"] for r in out) == 12

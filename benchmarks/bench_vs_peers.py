@@ -1,0 +1,197 @@
+"""realscale against its peers on the default recipe, on this machine, in one run (issue 34).
+
+    bash benchmarks/peers/setup_trl.sh                  # TRL in a venv of its own (never the project's)
+    python benchmarks/bench_vs_peers.py [--seeds 0 1 2] [--rounds 30] [--reuse-sft]
+
+One warm start (``realscale sft`` of ``configs/tiny_cpu.yaml``), then for each seed, one
+after the other (never side by side: two cores): ``realscale train`` of the recipe from
+that warm start, and TRL's ``GRPOTrainer`` set up the same way
+(``benchmarks/peers/trl_grpo.py`` says what matches and what differs). Each run's process
+tree is sampled for its peak resident memory; each final model is scored by the same
+held-out evaluation (200 problems: greedy, and 4 samples at T = 1).
+
+Per system and seed: seconds from launch to the last optimizer step of the 30 rounds
+(realscale's includes its held-out evaluation of the warm start, ~8 s, which TRL does not
+run), to the first step, trained and generated tokens per second of that span, peak
+memory, held-out accuracy. Medians and min-max over the seeds; ratios of the medians.
+Writes ``benchmarks/results/bench_vs_peers.json``.
+
+AReaL's CPU example is not in this benchmark yet: it ran only after patching its vLLM
+server for vLLM 0.32 (issue 34), and its behaviour and trainer log-probs disagreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from _cli import REPO, run_realscale
+
+RESULTS = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers.json")
+RECIPE = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+TRL_PYTHON = os.path.join(REPO, "benchmarks", ".venv-trl", "bin", "python")
+
+
+class PeakMemory:
+    """Peak summed RSS of a process and its descendants, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.pid)
+        while not self._stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.2)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _timed(cmd: list[str], log_path: str, env: dict[str, str]) -> tuple[float, int]:
+    """Run ``cmd``; (launch time as time.time(), peak memory in bytes). Fails loudly."""
+    start = time.time()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        mem = PeakMemory(proc.pid)
+        code = proc.wait()
+    peak = mem.stop()
+    if code != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            raise SystemExit(f"bench_vs_peers: {' '.join(cmd[:4])} ... failed (exit {code}); log {log_path}:\n"
+                             f"{fh.read()[-3000:]}")
+    return start, peak
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _heldout(model_dir: str, seed: int) -> dict[str, float]:
+    from realscale.config import load_config
+    from realscale.eval.heldout import evaluate_heldout
+
+    cfg = load_config(RECIPE, [f"run.seed={seed}"])
+    out = evaluate_heldout(cfg, model_dir)
+    assert out is not None
+    return out
+
+
+def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int) -> dict[str, Any]:
+    name = f"realscale_seed{seed}"
+    run_dir = os.path.join(work, name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft_dir}", f"run.seed={seed}",
+           f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}"]
+    start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), _env())
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
+    steps = [m for m in metrics if "train/loss" in m]
+    last, first = steps[-1]["time"] - start, steps[0]["time"] - start
+    trained = sum(m["perf/trained_tokens"] for m in steps)
+    generated = max(m.get("rollout_ctl/generated_tokens", 0) for m in metrics)
+    return {"to_last_step_s": last, "first_step_s": first, "trained_tokens": trained, "generated_tokens": generated,
+            "trained_tok_s": trained / last, "generated_tok_s": generated / last, "peak_rss_gb": peak / 2**30,
+            "heldout": _heldout(os.path.join(run_dir, "final"), seed)}
+
+
+def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str) -> dict[str, Any]:
+    out = os.path.join(work, f"trl_seed{seed}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cmd = [python, os.path.join(REPO, "benchmarks", "peers", "trl_grpo.py"), "--model", sft_dir, "--train",
+           train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed)]
+    _, peak = _timed(cmd, os.path.join(work, f"trl_seed{seed}.log"), _env())
+    res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
+    last = res["step_times_s"][-1]
+    return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],
+            "generated_tokens": res["generated_tokens"], "trained_tok_s": res["trained_tokens"] / last,
+            "generated_tok_s": res["generated_tokens"] / last, "peak_rss_gb": peak / 2**30,
+            "versions": {"trl": res["trl"], "torch": res["torch"]},
+            "heldout": _heldout(os.path.join(out, "final"), seed)}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ["to_last_step_s", "first_step_s", "trained_tok_s", "generated_tok_s", "peak_rss_gb"]
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in runs]
+        out[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    for k in ("greedy", "sampled"):
+        vals = [r["heldout"][k] for r in runs]
+        out[f"heldout_{k}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_vs_peers"))
+    ap.add_argument("--reuse-sft", action="store_true", help="keep the warm start already in --work")
+    ap.add_argument("--trl-python", default=TRL_PYTHON)
+    args = ap.parse_args()
+    if not os.path.exists(args.trl_python):
+        raise SystemExit(f"bench_vs_peers: no TRL environment at {args.trl_python}: bash benchmarks/peers/setup_trl.sh")
+    os.makedirs(args.work, exist_ok=True)
+    sft_dir = os.path.join(args.work, "sft")
+    if not (args.reuse_sft and os.path.isfile(os.path.join(sft_dir, "model.safetensors"))):
+        shutil.rmtree(sft_dir, ignore_errors=True)
+        run_realscale(["sft", RECIPE, f"sft.output={sft_dir}"], os.path.join(args.work, "sft.log"), "bench_vs_peers")
+
+    from realscale.config import load_config
+    from realscale.tasks.arith import task_from_config
+
+    cfg = load_config(RECIPE)
+    train_jsonl = os.path.join(args.work, "train.jsonl")
+    with open(train_jsonl, "w", encoding="utf-8") as fh:
+        for p in task_from_config(cfg.data).split("train"):
+            fh.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+
+    start_acc = _heldout(sft_dir, 0)
+    runs: dict[str, list[dict[str, Any]]] = {"realscale": [], "trl": []}
+    for seed in args.seeds:
+        runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds))
+        runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python))
+        print(f"seed {seed}: " + "; ".join(f"{k} {r[-1]['to_last_step_s']:.1f} s, sampled "
+                                           f"{100 * r[-1]['heldout']['sampled']:.1f}%" for k, r in runs.items()),
+              flush=True)
+    summary = {k: _summary(v) for k, v in runs.items()}
+    ratio = summary["trl"]["to_last_step_s"]["median"] / summary["realscale"]["to_last_step_s"]["median"]
+    print(f"warm start: greedy {100 * start_acc['greedy']:.1f}%, sampled {100 * start_acc['sampled']:.1f}%")
+    for k in summary["realscale"]:
+        cells = [f"{summary[s][k]['median']:.3g} ({summary[s][k]['min']:.3g}-{summary[s][k]['max']:.3g})"
+                 for s in ("realscale", "trl")]
+        print(f"{k:18s} realscale {cells[0]:28s} TRL {cells[1]}")
+    print(f"TRL's time to the last step / realscale's: {ratio:.2f}x (above 1: realscale is faster)")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w", encoding="utf-8") as fh:
+        json.dump({"args": vars(args), "warm_start": start_acc, "runs": runs, "summary": summary,
+                   "trl_over_realscale_time": ratio, "load_average_before": os.getloadavg()}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""TRL's ``GRPOTrainer`` on realscale's default recipe, as a new user would set it up.
+
+Run from the TRL venv (``bash benchmarks/peers/setup_trl.sh``); ``bench_vs_peers.py``
+starts it. Same warm start (the recipe's SFT model directory), the same 700 training
+problems (the arithmetic task's train split, written by the bench as JSON lines), the
+same reward verdict (``is_correct``, passed in as the bench's answers; TRL calls it per
+completion), 32 prompts x 8 samples per round, 24 new tokens at T = 1, AdamW at lr 1e-4
+with 4 warm-up steps then constant, clip 0.2 / 0.28, no KL, 4 optimizer steps per round
+(``steps_per_generation=4``, 64 answers each), the token-mean loss over the round
+(``loss_type="dapo"``), group-std advantages, gradient norm clipped at 1.
+
+What differs, and why: TRL has no all-equal filter (DAPO's dynamic sampling) and no
+staleness bound (it is synchronous: generate a round, then train on it); it generates
+with ``transformers``' ``generate`` in the training process. Writes ``result.json``
+(times of every optimizer step from process start, trained and generated tokens) and the
+final model to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+START = time.time()  # before the heavy imports: "first step after" counts them, as for realscale
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="the warm start (an HF model directory)")
+    ap.add_argument("--train", required=True, help="JSON lines: prompt, answer")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from realscale.tasks.arith import is_correct
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [json.loads(line) for line in open(args.train, encoding="utf-8")]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                              for r in rows])
+
+    generated = {"tokens": 0, "answers": 0}
+
+    def reward(completions: list, answer: list[str], completion_ids: list, **_: object) -> list[float]:
+        generated["tokens"] += sum(len(ids) for ids in completion_ids)  # every generated answer is trained on
+        generated["answers"] += len(completion_ids)
+        return [1.0 if is_correct(c[0]["content"], a) else 0.0 for c, a in zip(completions, answer)]
+
+    steps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):  # noqa: ANN001 - transformers' callback API
+            steps.append(time.time() - START)
+
+    cfg = GRPOConfig(
+        output_dir=os.path.join(args.out, "trl"), seed=args.seed, use_cpu=True, report_to="none",
+        save_strategy="no", logging_steps=1, learning_rate=1e-4, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=4, weight_decay=0.0, max_grad_norm=1.0, per_device_train_batch_size=64,
+        steps_per_generation=4, num_generations=8, num_iterations=1, max_completion_length=24,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        scale_rewards="group", max_steps=4 * args.rounds, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32})
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=cfg, train_dataset=data,
+                          callbacks=[Clock()])
+    trainer.train()
+    trainer.save_model(os.path.join(args.out, "final"))
+    with open(os.path.join(args.out, "result.json"), "w", encoding="utf-8") as fh:
+        json.dump({"step_times_s": steps, "wall_s": time.time() - START, "generated_tokens": generated["tokens"],
+                   "generated_answers": generated["answers"], "trained_tokens": generated["tokens"],
+                   "torch": torch.__version__,
+                   "trl": __import__("trl").__version__, "seed": args.seed, "rounds": args.rounds}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

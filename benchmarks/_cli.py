@@ -10,10 +10,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def checkout_env() -> dict[str, str]:
+    """This process's environment with this checkout first on the import path."""
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def run_realscale(args: list[str], log_path: str, who: str) -> float:
     """Run ``python -m realscale ARGS`` (this checkout first on the path), output to
     ``log_path``; seconds taken. A failed run ends the benchmark ``who`` with the log's tail."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = checkout_env()
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.run([sys.executable, "-m", "realscale", *args], cwd=REPO, env=env, stdout=log,

@@ -45,11 +45,12 @@ def _dense_attention() -> type:
     over the whole packed row, masked block-causally (True = masked out)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from realscale.algo.packed import seq_ids
+
     class DenseMaskAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            cu = packed_seq_params.cu_seqlens_q.long()
-            seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+            seq = seq_ids(packed_seq_params.cu_seqlens_q.long(), query.shape[0])
             mask = ~((seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril())
             out = super().forward(query[:, None], key[:, None], value[:, None], mask[None, None], attn_mask_type)
             return out[:, 0]

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from _cli import REPO, run_realscale
+from _cli import REPO, checkout_env, run_realscale
 
 RESULTS = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers.json")
 RECIPE = os.path.join(REPO, "configs", "tiny_cpu.yaml")
@@ -87,10 +87,6 @@ def _timed(cmd: list[str], log_path: str, env: dict[str, str]) -> tuple[float, i
     return start, peak
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
 def _heldout(model_dir: str, seed: int) -> dict[str, float]:
     from realscale.config import load_config
     from realscale.eval.heldout import evaluate_heldout
@@ -107,7 +103,7 @@ def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int) -> dict[
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft_dir}", f"run.seed={seed}",
            f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}"]
-    start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), _env())
+    start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), checkout_env())
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
     steps = [m for m in metrics if "train/loss" in m]
     last, first = steps[-1]["time"] - start, steps[0]["time"] - start
@@ -124,7 +120,7 @@ def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: i
     os.makedirs(out)
     cmd = [python, os.path.join(REPO, "benchmarks", "peers", "trl_grpo.py"), "--model", sft_dir, "--train",
            train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed)]
-    _, peak = _timed(cmd, os.path.join(work, f"trl_seed{seed}.log"), _env())
+    _, peak = _timed(cmd, os.path.join(work, f"trl_seed{seed}.log"), checkout_env())
     res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
     last = res["step_times_s"][-1]
     return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],

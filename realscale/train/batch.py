@@ -74,10 +74,6 @@ class PackedBatch:
     def sequence(self, i: int) -> torch.Tensor:
         return self.input_ids[int(self.cu_seqlens[i]): int(self.cu_seqlens[i + 1])]
 
-    def seq_ids(self) -> torch.Tensor:
-        """Sequence index of every token."""
-        return torch.repeat_interleave(torch.arange(self.num_seqs), self.seqlens())
-
     def to_payload(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "cu_seqlens": self.cu_seqlens, **{f"f.{k}": v for k, v in self.fields.items()}}
 

@@ -10,7 +10,7 @@ model as THD (``PackedSeqParams`` with the row's ``cu_seqlens``, no mask) for bo
 specs: the TE spec's fused attention and, on the local spec (CPU, or GPUs without TE),
 :class:`~realscale.models.attention.PackedSDPAttention`, which attends within each
 sequence only. With TE, RoPE positions restart at each sequence (megatron's THD RoPE);
-on the local spec they run over the whole row (``_stage_forward`` says why), which gives
+on the local spec they run over the whole row (``_packed_params`` says why), which gives
 the same scores. The TE path was not run in this repository's CI (no GPU there).
 
 Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
@@ -226,26 +226,7 @@ class MegatronEngine:
         stage the final hidden states (log-probs are then computed in chunks from them,
         so the [T, V] logits never exist at once)."""
         gpt = model.module if hasattr(model, "module") else model
-        packed = None
-        if "cu_seqlens" in row:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            cu = row["cu_seqlens"].to(torch.int32)
-            if self.use_te:
-                max_len = int((cu[1:] - cu[:-1]).max())
-                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                         max_seqlen_q=max_len, max_seqlen_kv=max_len)
-            else:
-                # PackedSDPAttention reads cu_seqlens_q; megatron's THD RoPE reads the *_padded
-                # boundaries (attention.py:1081-1089). Given the whole row as one padded
-                # sequence, RoPE rotates every token in one call at its row position instead of
-                # looping over sequences in Python (rope_utils.py:214-238, ~25% of a CPU step):
-                # RoPE scores depend only on distances within a sequence, so the result is the
-                # same as per-sequence positions (the HF comparisons in tests/train check it).
-                whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
-                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                         cu_seqlens_q_padded=whole, cu_seqlens_kv_padded=whole,
-                                         max_seqlen_q=int(cu[-1]), max_seqlen_kv=int(cu[-1]))
+        packed = self._packed_params(row["cu_seqlens"])
         pre = gpt._preprocess(input_ids=row["tokens"], position_ids=row["positions"], decoder_input=None,
                               inference_context=None, packed_seq_params=packed)
         decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
@@ -253,6 +234,25 @@ class MegatronEngine:
                            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                            rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed,
                            sequence_len_offset=sequence_len_offset)
+
+    def _packed_params(self, cu_seqlens: torch.Tensor) -> Any:
+        """Megatron's THD description of a packed row (``PackedSeqParams``)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = cu_seqlens.to(torch.int32)
+        if self.use_te:
+            longest = int((cu[1:] - cu[:-1]).max())
+            return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   max_seqlen_q=longest, max_seqlen_kv=longest)
+        # PackedSDPAttention reads cu_seqlens_q; megatron's THD RoPE reads the *_padded
+        # boundaries (attention.py:1081-1089). Given the whole row as one padded sequence,
+        # RoPE rotates every token in one call at its row position instead of looping over
+        # sequences in Python (rope_utils.py:214-238, ~25% of a CPU step): RoPE scores depend
+        # only on distances within a sequence, so the result is the same as per-sequence
+        # positions (the HF comparisons in tests/train check it).
+        whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
+                               cu_seqlens_kv_padded=whole, max_seqlen_q=int(cu[-1]), max_seqlen_kv=int(cu[-1]))
 
     def _output_weight(self, model: Any) -> torch.Tensor:
         gpt = model.module if hasattr(model, "module") else model

@@ -84,6 +84,12 @@ class Trainer:
         init_distributed(cfg.parallel.backend, collective_timeout_s(cfg.parallel.collective_timeout_s))
         self.cfg, self.out_dir = cfg, out_dir
         self.is_driver = dist.get_rank() == 0
+        self.checkpoints = Checkpointer(out_dir, cfg.run.keep_checkpoints, cfg.run.pin_checkpoints, self.is_driver)
+        self.controller: Rollouts | None = None
+        # A fresh run's servers already hold its weights (version 0): the driver starts the
+        # rollouts generating first, and its engine is built while the first batch generates.
+        if self.is_driver and cfg.parallel.mode != "colocated" and self.checkpoints.latest() is None:
+            self.controller = self._start_rollouts(model_dir, server_urls, None, go=True)
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
@@ -92,7 +98,6 @@ class Trainer:
         self.scatter = BatchScatter(self.engine.ranks, stage_needs(cfg.algo))
         self.clock = ComputeClock(*(m.config for m in (self.engine, self.critic, self.ref) if m is not None))
         self.step, self.version = 0, 0
-        self.checkpoints = Checkpointer(out_dir, cfg.run.keep_checkpoints, cfg.run.pin_checkpoints, self.is_driver)
         self.resumed_from, extra = self.checkpoints.load(self.engine, self.critic)
         if self.resumed_from:
             self.step, self.version = int(extra["step"]), int(extra["version"])
@@ -100,7 +105,6 @@ class Trainer:
         if cfg.parallel.mode == "colocated":  # these ranks generate too: their servers replace the launcher's
             self.colocated = ColocatedGeneration(cfg, model_dir, self.engine, idle_while_generating=[self.ref])
             server_urls = self.colocated.urls
-        self.controller: Rollouts | None = None
         self.logger: MetricsLogger | None = None
         self.outage: OutageWatch | None = None  # driver, servers of their own: every server down at once?
         control = None
@@ -118,15 +122,20 @@ class Trainer:
         self.publisher: Publisher = self.colocated or WeightPublisher(transport_for(cfg, out_dir), control,
                                                            cfg.generate.pause_mode)
 
+    def _start_rollouts(self, model_dir: str, server_urls: list[str], state: dict[str, Any] | None, *,
+                        go: bool = False) -> "Rollouts":
+        start = start_sharded if self.cfg.rollout.processes > 1 else start_rollouts  # the rollout tier, scaled out
+        return start(self.cfg, model_dir, server_urls, self.out_dir, state, go=go)
+
     def _start_driver(self, model_dir: str, server_urls: list[str], extra: dict[str, Any]
                       ) -> tuple["Rollouts", "MetricsLogger"]:
-        """The rollouts (paused until the servers hold this run's weights) and the metrics
-        logger; on resume, logs are cut back to the checkpoint's step."""
+        """The rollouts (paused until the servers hold this run's weights; a fresh run's
+        are generating already) and the metrics logger; on resume, logs are cut back to
+        the checkpoint's step."""
 
         if self.resumed_from:
             truncate_logs(self.out_dir, self.step)
-        start = start_sharded if self.cfg.rollout.processes > 1 else start_rollouts  # the rollout tier, scaled out
-        controller = start(self.cfg, model_dir, server_urls, self.out_dir, extra.get("controller"))
+        controller = self.controller or self._start_rollouts(model_dir, server_urls, extra.get("controller"))
         run = self.cfg.run
         logger = MetricsLogger(self.out_dir, run.total_steps, tensorboard=run.tensorboard, wandb=run.wandb,
                                wandb_mode=run.wandb_mode, start_step=self.step)
@@ -179,12 +188,11 @@ class Trainer:
 
     def _start_generation(self) -> None:
         """Servers start from the base model: after a resume they first get the
-        checkpoint's weights (same version); a fresh run just lets the controller go.
-        Colocated ranks start with no generation weights: they always get them first."""
+        checkpoint's weights (same version); a fresh run's rollouts are generating
+        already (started before the engine was built). Colocated ranks start with no
+        generation weights: they always get them first."""
         if self.resumed_from or self.colocated is not None:
             self.publisher.publish(self.engine, self.version)
-        elif self.is_driver:
-            self.controller.resume()
 
     def _next_batch(self) -> tuple[list[PackedBatch], dict[str, float], ScatterStats]:
         """This rank's share of every mini-batch of the next B groups."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict
 from typing import Any, Callable
@@ -78,15 +79,8 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
         from realscale.train.reference import reference_model_dir  # (imports torch)
 
         reference_model_dir(cfg, model_dir)
-    resumed = latest_checkpoint(out_dir) is not None
-    start_path = os.path.join(out_dir, "eval_start.json")
-    if resumed and os.path.exists(start_path):
-        with open(start_path, encoding="utf-8") as fh:
-            acc_start = json.load(fh)
-    else:
-        acc_start = _heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
-        with open(start_path, "w", encoding="utf-8") as fh:
-            json.dump(acc_start, fh)
+    start_accuracy = _start_accuracy(cfg, model_dir, out_dir)
+    acc_start = None
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C
     code = 0
@@ -95,6 +89,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
             # colocated: the trainer ranks generate themselves (realscale/serve/colocated.py)
             urls = [] if cfg.parallel.mode == "colocated" else backend.start_servers(model_dir, asdict(cfg))
             backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
+            acc_start = start_accuracy()  # (its failure stops the run now, not after the last step)
             code = backend.wait()
     except KeyboardInterrupt:
         print("\nrealscale: interrupted; stopping trainer ranks and generation servers")
@@ -118,6 +113,8 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     except LaunchError as exc:
         print(f"realscale: {exc}", flush=True)
         return 1
+    if acc_start is None:  # (nothing was started: the run was done, or stopped while preparing)
+        acc_start = start_accuracy()
     hist_path = os.path.join(out_dir, "staleness_hist.json")
     hist = {int(k): v for k, v in json.load(open(hist_path)).items()} if os.path.exists(hist_path) else {}
     extra = {"total time": f"{time.time() - t0:.0f} s"}
@@ -145,6 +142,58 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
         json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
                    "staleness_hist": hist, "disk": disk}, fh, indent=1)
     return 0
+
+
+def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], dict[str, float] | None]:
+    """The held-out accuracy of the starting model (``<run>/eval_start.json``; a resumed
+    run reads the first run's), as a function that waits for it. On CPU, without a
+    benchmark's servers (``eval.data``), it is computed on a thread beside the servers'
+    and the trainer ranks' start-up (imports, engines: ~15 s on the default recipe, much of
+    it on one core), with one torch thread so as not to oversubscribe the cores they get.
+    On GPUs it runs first, before anything starts: the device it would use is a trainer
+    rank's."""
+    path = os.path.join(out_dir, "eval_start.json")
+    if latest_checkpoint(out_dir) is not None and os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            done = json.load(fh)
+        return lambda: done
+
+    def compute() -> dict[str, float] | None:
+        acc = _heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:  # whole or absent: a resume reads it
+            json.dump(acc, fh)
+        os.replace(tmp, path)
+        return acc
+
+    import torch
+
+    from realscale.parallel.device import cuda_usable
+
+    if cfg.eval.data or cuda_usable():
+        done = compute()
+        return lambda: done
+    result: dict[str, Any] = {}
+
+    def on_thread() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            result["value"] = compute()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the supervisor's thread
+            result["error"] = exc
+        finally:
+            torch.set_num_threads(threads)
+
+    thread = threading.Thread(target=on_thread, name="eval-start", daemon=True)
+    thread.start()
+
+    def wait() -> dict[str, float] | None:
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+    return wait
 
 
 def stopped_early(cfg: Config, backend: Backend, out_dir: str, reason: str) -> int:

@@ -193,26 +193,39 @@ async def _release_clocks(client: InferenceClient) -> None:
 
 class ControllerProcess:
     """The rollout interface of :class:`LocalRollouts`, served by a child process. The
-    constructor returns once the child's controller is built and started (paused)."""
+    constructor starts the child and returns; :meth:`ready` (and the first call) waits
+    until its controller is built and started (paused, or generating with ``go``), or
+    raises its start-up error. Several are started at once by starting them all first."""
 
     def __init__(self, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-                 state: dict[str, Any] | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+                 state: dict[str, Any] | None = None, shard: tuple[int, int] = (0, 1), *, go: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not daemonic: reward scoring may start processes of its own.
-        self._proc = ctx.Process(target=_serve, args=(child, asdict(cfg), model_dir, server_urls, out_dir, state, shard),
+        self._proc = ctx.Process(target=_serve,
+                                 args=(child, asdict(cfg), model_dir, server_urls, out_dir, state, shard, go),
                                  name=f"rollout-controller{shard[0] if shard[1] > 1 else ''}")
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
         self._stopped = False
+        self._built = False
+
+    def ready(self) -> None:
+        """Wait until the child's controller is built and started; its start-up error, raised."""
         with self._lock:
-            self._reply()  # built and started, or its start-up error
+            self._ensure_built()
+
+    def _ensure_built(self) -> None:
+        if not self._built:
+            self._reply()
+            self._built = True
 
     def _call(self, op: str, *args: Any) -> Any:
         if self._stopped:
             raise RolloutError(f"rollout controller process: {op}() after stop()")
         with self._lock:
+            self._ensure_built()
             self._conn.send((op, args))
             return self._reply()
 
@@ -269,7 +282,7 @@ class ControllerProcess:
         try:
             if self._proc.is_alive():
                 self._call("stop")
-        except (RolloutError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a dead child, or its start-up error not yet collected
             log.warning("rollout controller process did not stop cleanly: %r", exc)
         finally:
             self._stopped = True
@@ -284,20 +297,30 @@ Rollouts = LocalRollouts | ControllerProcess  # what the trainer's driver holds
 
 
 def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-                   state: dict[str, Any] | None = None) -> Rollouts:
+                   state: dict[str, Any] | None = None, *, go: bool = False) -> Rollouts:
     """The run's rollouts, in a process of their own unless ``rollout.controller_process``
-    is false; started paused."""
+    is false; started paused, or with ``go`` generating at once. ``go`` returns before the
+    process is built (its start-up error comes with the first call): a fresh run's
+    servers already hold its weights (version 0), so its driver starts the rollouts
+    first and builds its engine while the first batch generates."""
     if cfg.rollout.controller_process:
-        return ControllerProcess(cfg, model_dir, server_urls, out_dir, state)
-    return LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state)
+        proc = ControllerProcess(cfg, model_dir, server_urls, out_dir, state, go=go)
+        if not go:
+            proc.ready()
+        return proc
+    rollouts = LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state)
+    if go:
+        rollouts.resume()
+    return rollouts
 
 
 # ---------------------------------------------------------------------- the child
 
 
 def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str,
-           state: dict[str, Any] | None, shard: tuple[int, int]) -> None:
-    """The child: build and start the controller, then answer rank 0 until stop or EOF."""
+           state: dict[str, Any] | None, shard: tuple[int, int], go: bool) -> None:
+    """The child: build and start the controller (generating at once with ``go``), then
+    answer rank 0 until stop or EOF."""
 
     die_with_parent()
     import torch
@@ -309,6 +332,8 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         _send_error(conn, exc)
         return
+    if go:
+        rollouts.resume()
     conn.send(("ok", None))
     try:
         _answer(conn, rollouts)

@@ -273,9 +273,10 @@ class ShardedRollouts:
 
 
 def start_sharded(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
-                  state: dict[str, Any] | None = None) -> ShardedRollouts:
-    """``rollout.processes`` rollout processes over the run's servers, started paused; a
-    ``task:`` data source is written out once here, not by every shard."""
+                  state: dict[str, Any] | None = None, *, go: bool = False) -> ShardedRollouts:
+    """``rollout.processes`` rollout processes over the run's servers, started together,
+    paused (or generating at once with ``go``: see :func:`start_rollouts`); a ``task:``
+    data source is written out once here, not by every shard."""
     k = cfg.rollout.processes
     shards = (state or {}).get("shards") or [None] * k
     if len(shards) != k:
@@ -287,7 +288,10 @@ def start_sharded(cfg: "Config", model_dir: str, server_urls: list[str], out_dir
     try:
         for i in range(k):
             started.append(ControllerProcess(shard_config(cfg, k, i), model_dir, servers[i], out_dir, shards[i],
-                                             shard=(i, k)))
+                                             shard=(i, k), go=go))
+        if not go:
+            for proc in started:
+                proc.ready()
     except BaseException:
         for proc in started:
             proc.stop()

@@ -58,12 +58,34 @@ def test_start_up_error_and_dead_child_are_reported(server, arith_jsonl, tmp_pat
     from realscale.data.dataset import DatasetError
 
     with pytest.raises(DatasetError, match="dataset file not found"):
-        ControllerProcess(_cfg("/no/such.jsonl"), srv.model_path, [url], str(tmp_path))
+        start_rollouts(_cfg("/no/such.jsonl"), srv.model_path, [url], str(tmp_path))
+    # started generating at once (a fresh run's driver): its start-up error comes with the first call
+    early = start_rollouts(_cfg("/no/such.jsonl"), srv.model_path, [url], str(tmp_path), go=True)
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        early.stats()
+    early.stop()
     rollouts = ControllerProcess(_cfg(arith_jsonl), srv.model_path, [url], str(tmp_path))
+    rollouts.ready()
     os.kill(rollouts._proc.pid, signal.SIGKILL)
     with pytest.raises(RolloutError, match="died"):
         rollouts.stats()
     rollouts.stop()
+
+
+@pytest.mark.parametrize("process", [True, False])
+def test_started_with_go_generates_without_a_resume(server, arith_jsonl, tmp_path, process: bool) -> None:
+    """A fresh run's driver starts its rollouts generating before it builds its engine
+    (Trainer.__init__): the first batch comes without a resume, at version 0."""
+    url, srv = server
+    cfg = _cfg(arith_jsonl, f"rollout.controller_process={str(process).lower()}")
+    rollouts = start_rollouts(cfg, srv.model_path, [url], str(tmp_path), go=True)
+    try:
+        assert isinstance(rollouts, ControllerProcess if process else LocalRollouts)
+        rb = rollouts.next_batch(2, 0, timeout=300)
+        assert rb.batch.num_seqs == 4 and rb.stats["staleness/max"] == 0
+        assert rollouts.stats()["consumed"] == 2
+    finally:
+        rollouts.stop()
 
 
 def test_servers_a_weight_update_retired_leave_generation(server, arith_jsonl, tmp_path) -> None:

@@ -1,0 +1,51 @@
+"""The starting model's held-out evaluation (``eval_start.json``) runs beside the servers'
+and ranks' start-up on CPU: its failure still stops the run (raised where the supervisor
+waits for it), the file is written whole, and a resumed run reads the first run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from realscale.config import load_config
+from realscale.launcher import supervisor
+
+
+def _cfg(tmp_path):
+    return load_config(None, ["data.source=task:arith", f"run.output_dir={tmp_path}", "run.name=r"])
+
+
+def test_runs_on_a_thread_and_its_failure_is_raised_where_it_is_waited_for(tmp_path, monkeypatch) -> None:
+    out = str(tmp_path / "r")
+    os.makedirs(out)
+    ran_on: list[str] = []
+
+    def failing(cfg, model_dir, out_dir):
+        ran_on.append(threading.current_thread().name)
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(supervisor, "_heldout", failing)
+    wait = supervisor._start_accuracy(_cfg(tmp_path), "m", out)
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        wait()
+    assert ran_on == ["eval-start"] and not os.path.exists(os.path.join(out, "eval_start.json"))
+
+
+def test_written_whole_and_read_back_on_resume(tmp_path, monkeypatch) -> None:
+    out = str(tmp_path / "r")
+    os.makedirs(out)
+    calls: list[int] = []
+
+    def heldout(cfg, model_dir, out_dir):
+        calls.append(1)
+        return {"greedy": 0.5}
+
+    monkeypatch.setattr(supervisor, "_heldout", heldout)
+    assert supervisor._start_accuracy(_cfg(tmp_path), "m", out)() == {"greedy": 0.5}
+    assert json.load(open(os.path.join(out, "eval_start.json"))) == {"greedy": 0.5}
+    assert not os.path.exists(os.path.join(out, "eval_start.json.tmp"))
+    monkeypatch.setattr(supervisor, "latest_checkpoint", lambda out_dir: "ckpt")  # a resumed run
+    assert supervisor._start_accuracy(_cfg(tmp_path), "m", out)() == {"greedy": 0.5} and calls == [1]

@@ -5,8 +5,9 @@ and interface ``rs0`` on a private bridge; one filesystem, as a cluster shares i
 One script, rendered by ``realscale sweep`` from configs/ppo_tiny_slurm.yaml for two
 nodes (``--ntasks-per-node=2``, servers on 0.0.0.0), submitted with ``sbatch``:
 
-- (a) disaggregated across nodes: a CPU plan puts the generation server on rs-node1 and
-  both trainer ranks on rs-node2; the run finishes and its logs name the two hosts;
+- (a) disaggregated across nodes, submitted by ``realscale sweep --submit``: a CPU plan
+  puts the generation server on rs-node1 and both trainer ranks on rs-node2; the run
+  finishes and its logs name the two hosts;
 - (b) data parallel across nodes (no plan: rank 0 on rs-node1, rank 1 on rs-node2): the
   weight world and the batch scatter cross nodes; every byte of each publish and each
   scatter arrives (the lower bounds), the server's log-probs match the trainer's, and the
@@ -15,7 +16,12 @@ nodes (``--ntasks-per-node=2``, servers on 0.0.0.0), submitted with ``sbatch``:
   namespace of its own with a tmpfs over the run's parent) is refused at start, in one line;
 - (d) a node lost mid-run (every process in rs-node2 killed): the job ends, is requeued
   on the remaining node (``--nodes=1-2``), resumes from its checkpoint and logs every
-  step once, no prompt trained twice.
+  step once, no prompt trained twice;
+- (e) colocated, tp within each node and pp across the two: four ranks generate
+  themselves, the weights move in place across nodes at the lower bound, on-policy;
+- (f) Slurm's time-limit USR1 checkpoints both nodes' ranks, requeues and resumes; then
+  ``scancel`` ends every step on both nodes;
+- (g) without Slurm's launcher: one torchrun agent per node, c10d rendezvous.
 
 Skipped, with cluster_up.sh's reason, where namespaces or Slurm are unavailable.
 """
@@ -25,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +42,7 @@ from typing import Iterator
 import pytest
 from run_records import HashWatch, assert_each_prompt_trained_once, hf_hashes, trained_steps
 
-pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(420)]  # each test; the module: ~8 min
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(420)]  # each test; the module: ~6 min
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = os.environ.get("RS_CLUSTER_STATE", "/var/lib/realscale-cluster")
@@ -162,9 +170,20 @@ def _first_server(run: Path) -> str | None:
 
 
 def test_disaggregated_server_and_trainer_on_different_nodes(script: str, tmp_path: Path) -> None:
+    """Submitted as a user submits a sweep: ``realscale sweep --submit`` renders the job
+    (the plan and the overrides in its script) and sbatches it from the repository."""
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
-    job = _submit(script, tmp_path, "run.total_steps=3", "run.checkpoint_every=100", f"parallel.plan={plan}")
+    overrides = ["launch.nodes=2", "launch.ntasks=4", "generate.host=0.0.0.0", f"run.output_dir={tmp_path}", *RUN,
+                 "run.total_steps=3", "run.checkpoint_every=100", f"parallel.plan={plan}"]
+    (tmp_path / "sweep.yaml").write_text("name: mn\njobs:\n  mn_plan:\n    recipe: configs/ppo_tiny_slurm.yaml\n"
+                                         f"    overrides: [{', '.join(overrides)}]\n")
+    res = subprocess.run([sys.executable, "-m", "realscale", "sweep", str(tmp_path / "sweep.yaml"), "--out",
+                          str(tmp_path / "slurm"), "--submit"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**_env(), "SBATCH_OUTPUT": f"{tmp_path}/slurm-%j.out"})  # (over the script's --output)
+    found = re.search(r"^mn_plan: Submitted batch job (\d+)$", res.stdout, re.M)
+    assert res.returncode == 0 and found, res.stdout + res.stderr
+    job = found.group(1)
     run = _finished(tmp_path, job, 3)
     logs = run / "logs"
     server = _first_line(logs / "server0.log", "realscale server 0")
@@ -262,6 +281,148 @@ def test_a_lost_node_requeues_on_the_remaining_node_and_resumes(script: str, tmp
     finally:
         _node("start", "rs-node2")
         _wait_idle()
+
+
+# ----------------------------------------------------------------------------- (e)
+
+
+def test_colocated_tp_within_and_pp_across_nodes(script: str, tmp_path: Path) -> None:
+    """Four trainer ranks, tp=2 within each node and pp=2 across the two, generate
+    themselves (no server steps): each node's tp pair is one generation replica (tp=2),
+    its in-process server bound to the job's generate.host and advertised by its node's
+    address, so rank 0's rollouts reach the other node's; the weights move in place from
+    the (t2, p2) training layout to the (d2, t2) generation layout across nodes, at the
+    lower bound, and generation is on-policy after every update."""
+    steps = 2
+    job = _submit(script, tmp_path, f"run.total_steps={steps}", "run.checkpoint_every=100", "parallel.mode=colocated",
+                  "parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "generate.num_servers=2", "generate.tp=2",
+                  "rollout.max_staleness=0")
+    run = _finished(tmp_path, job, steps)
+    logs = run / "logs"
+    assert not (logs / "server0.log").exists()  # no server steps: the ranks generate
+    for i in range(4):  # ranks 0, 1 (tp pair, stage 0) on rs-node1; 2, 3 (stage 1) on rs-node2
+        node, local = ("rs-node1", "rs-node2")[i // 2], i % 2
+        line = _first_line(logs / f"rank{i}.log", f"realscale rank {i}/4")
+        assert f"(local {local}/2) on {node} (advertised {NET}.{11 + i // 2}, gloo interface rs0)" in line, line
+    for m in _metrics(run):
+        assert abs(m["train/behav_kl"]) < 1e-5 and m["staleness/max"] == 0, m  # generated with the trained weights
+        assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"], m
+        # rank 0's rollouts use the replicas on both nodes (neither was retired as unreachable)
+        assert m["rollout/servers_alive"] == 2 and m["rollout_ctl/servers_in_rotation"] == 2, m
+
+
+# ----------------------------------------------------------------------------- (f)
+
+
+def test_usr1_requeues_and_scancel_ends_both_nodes(script: str, tmp_path: Path) -> None:
+    """Slurm's time-limit notice (``--signal=B:USR1``) reaches the launcher on the first
+    node: the ranks on both nodes checkpoint at a step boundary and exit, the job is
+    requeued and resumes from that step; then ``scancel`` of the running job ends every
+    step on both nodes: nothing of the run is left in either."""
+    total = 30
+    run = tmp_path / "ppo_tiny"
+    job = _submit(script, tmp_path, f"run.total_steps={total}", "run.checkpoint_every=100")
+    _wait_for_steps(run, job, 2)
+    assert _sh("scancel", "--signal=USR1", "--batch", job).returncode == 0
+    deadline = time.monotonic() + 180
+    while not re.search(r"restart 1 on", _output(tmp_path, job)):  # stopped, requeued, running again
+        assert _job(job).get("JobState") not in ENDED, (_job(job), _output(tmp_path, job)[-3000:])
+        assert time.monotonic() < deadline, _output(tmp_path, job)[-3000:]
+        time.sleep(0.3)
+    stopped = re.search(r"stopped on request \(requeue\); last checkpoint \S+step(\d+)", _output(tmp_path, job))
+    assert stopped, _output(tmp_path, job)[-3000:]
+    at = int(stopped[1])
+    assert 2 <= at < total
+    _wait_for_steps(run, job, at + 1)  # resumed from the checkpoint on both nodes
+    steps = trained_steps(run)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > at  # every step once so far
+    assert _sh("scancel", job).returncode == 0
+    info = _ended(job, timeout=120)
+    assert info["JobState"] == "CANCELLED", info
+    _gone(str(run), timeout=60)  # every role on either node, ended
+
+
+def _wait_for_steps(run: Path, job: str, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(trained_steps(run)) < n:
+        assert _job(job).get("JobState") not in ENDED, _job(job)
+        assert time.monotonic() < deadline, f"fewer than {n} steps after {timeout:.0f} s"
+        time.sleep(0.3)
+
+
+# ----------------------------------------------------------------------------- (g)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH (it ships with torch)")
+def test_torchrun_rendezvous_across_nodes(cluster: None, tmp_path: Path, tiny_run_args) -> None:
+    """Without Slurm's launcher: one torchrun agent per node, c10d rendezvous at rs-node1
+    (as a user starts a multi-node job by hand), the trainer ranks from the run spec,
+    against an embedded server on rs-node1. torchrun's MASTER_ADDR is the rank-0 agent's
+    fully qualified host name (torch 2.13, torch/distributed/elastic/rendezvous/api.py:90,
+    ``RendezvousStoreInfo.build``), which every node resolves; the ranks bind gloo to the interface that reaches it and train dp=2 across
+    the nodes."""
+    from dataclasses import asdict
+
+    from realscale.config import load_config
+    from realscale.launcher.spec import RunSpec, spec_path
+    from realscale.models.tiny import resolve_model_path
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [*tiny_run_args(2, 1, "parallel.dp=2"), f"run.output_dir={tmp_path}", "run.name=run"])
+    model = resolve_model_path(cfg.model.path)
+    url = f"http://{NET}.11:31000"
+    (out / "logs").mkdir(parents=True)
+    server = subprocess.Popen(["bash", ".ci/cluster_node.sh", "exec", "rs-node1", sys.executable, "-m", "realscale",
+                               "serve", "--model", model, "--host", "0.0.0.0", "--port", "31000"], env=_env(),
+                              cwd=REPO, stdout=open(out / "logs" / "server0.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    agents = []
+    try:
+        _wait_url_healthy(url, server, timeout=120)
+        spec = RunSpec(asdict(cfg), model, str(out), [url]).save(spec_path(str(out)))
+        env = {**_env(), "OMP_NUM_THREADS": "1"}
+        for i, node in enumerate(("rs-node1", "rs-node2")):
+            cmd = ["bash", ".ci/cluster_node.sh", "exec", node, "torchrun", "--nnodes=2", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", "--rdzv-endpoint=rs-node1:29400", f"--rdzv-id=rs{os.getpid()}",
+                   "-m", "realscale", "rank", "--spec", spec]
+            agents.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True))
+        outputs = [a.communicate(timeout=300)[0] for a in agents]
+    finally:
+        for proc in (*agents, server):  # each with everything it started
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    for a, text in zip(agents, outputs):
+        assert a.returncode == 0, text[-3000:]
+    lines = [line for text in outputs for line in text.splitlines() if "realscale rank " in line]
+    for i, node in enumerate(("rs-node1", "rs-node2")):  # torchrun may give either node rank 0
+        line = next((x for x in lines if f"(local 0/1) on {node} " in x), "")
+        assert f"on {node} (advertised {NET}.{11 + i}, gloo interface rs0)" in line, lines
+    assert trained_steps(out) == [1, 2]
+    record = json.loads((out / "final" / "export.json").read_text())
+    assert record == {"step": 2, "world_size": 2, "backend": "gloo", "layout": {"tp": 1, "pp": 1, "dp": 2}}
+    for m in _metrics(out):  # rank 0 -> rank 1 on the other node: every byte of the batch, once
+        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
+
+
+def _wait_url_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server inside rs-node1 exited ({proc.returncode})"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def _leftovers(marker: str) -> list[str]:

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work", default="runs/profile", help="scratch directory (model, server log)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per role (a 2-core run gives 1 each)")
     parser.add_argument("--repeats", type=int, default=5, help="repetitions per point (the median is kept)")
+    parser.add_argument("--rollout-seconds", type=float, default=30.0,
+                        help="how long the rollout side (client, workflow, rewards) is measured, to a batch boundary")
     parser.add_argument("--show", default="", help="print this profile (JSON file or GPU name) and exit")
 
 
@@ -37,9 +39,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.threads < 1 or args.repeats < 1:
         raise UsageError("--threads and --repeats must be >= 1")
+    if not args.rollout_seconds > 0:
+        raise UsageError(f"--rollout-seconds must be > 0, got {args.rollout_seconds}")
     from realscale.launcher.calibrate import measure_cpu_profile
 
-    prof = measure_cpu_profile(args.recipe, args.work, threads=args.threads, repeats=args.repeats)
+    prof = measure_cpu_profile(args.recipe, args.work, threads=args.threads, repeats=args.repeats,
+                               rollout_seconds=args.rollout_seconds)
     prof.save(args.out)
     print(prof.table())
     print(f"wrote {args.out}")

@@ -467,8 +467,9 @@ def _rollout_cpu(cfg: Config, model_dir: str, url: str, work_dir: str, server_pi
 
 
 def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats: int = 5,
-                        name: str = "cpu") -> HardwareProfile:
-    """Measure this machine with the recipe's model (see the module docstring) and fit."""
+                        name: str = "cpu", rollout_seconds: float = ROLLOUT_SECONDS) -> HardwareProfile:
+    """Measure this machine with the recipe's model (see the module docstring) and fit;
+    the rollout side is measured over ``rollout_seconds`` (to the next batch boundary)."""
     from realscale.config import load_config
     from realscale.sft import build_base_model
 
@@ -492,7 +493,7 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
         server_cpu = _process_cpu(servers[0].proc.pid)
         decode = asyncio.run(_decode_points(servers[0].url, int(hf["vocab_size"]), repeats, server_cpu))
         requests = asyncio.run(_request_points(servers[0].url, int(hf["vocab_size"]), repeats, server_cpu))
-        rollout = _rollout_cpu(cfg, model_dir, servers[0].url, work_dir, servers[0].proc.pid)
+        rollout = _rollout_cpu(cfg, model_dir, servers[0].url, work_dir, servers[0].proc.pid, rollout_seconds)
         rank = run_distributed(_trainer_rank, 1, cfg, model_dir, servers[0].url, threads, repeats, prompt_len,
                                timeout=1800)[0]
     finally:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from realscale.launcher.calibrate import (DECODE_BATCHES, DECODE_PROMPTS, REQUEST_BATCHES,
-                                         ROLLOUT_SECONDS)
+from realscale.launcher.calibrate import DECODE_BATCHES, DECODE_PROMPTS, REQUEST_BATCHES
 from realscale.planner.hardware import GPU, Efficiency, load_profile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(1200)]  # ~3-5 min on 2 cores
@@ -34,17 +33,18 @@ def _realscale(*args: str) -> subprocess.CompletedProcess:
 
 def test_profile_measures_fits_and_feeds_the_planner_and_the_simulator(tmp_path: Path) -> None:
     path = str(tmp_path / "profile.json")
-    _realscale("profile", "--repeats", "1", "--recipe", "configs/tiny_cpu.yaml", "--work", str(tmp_path / "work"),
-               "--out", path)
+    window = 8.0  # of the rollout side (30 s by default)
+    _realscale("profile", "--repeats", "1", "--rollout-seconds", str(window), "--recipe", "configs/tiny_cpu.yaml",
+               "--work", str(tmp_path / "work"), "--out", path)
     prof = load_profile(path)
     m = prof.measurements
     assert len(m["decode"]) == len(DECODE_BATCHES) * len(DECODE_PROMPTS)  # one point per (batch, prompt)
     assert len(m["requests"]) == len(REQUEST_BATCHES) and len(m["train"]) > 0
     assert m["rollout"]["requests"] > 0 and m["sync"]["bytes"] > 0
-    # The window ends at the first batch boundary past ROLLOUT_SECONDS. With the recipe's
+    # The window ends at the first batch boundary past --rollout-seconds. With the recipe's
     # all-equal filter on, a random-weight model's groups were nearly all dropped and one
     # batch took ~90 s (104 s measured for a 30 s window); a batch takes seconds without it.
-    assert m["rollout"]["seconds"] < 2 * ROLLOUT_SECONDS, m["rollout"]
+    assert window <= m["rollout"]["seconds"] < 2 * window + 10, m["rollout"]
     for f in dataclasses.fields(GPU):
         if f.name != "name":
             assert prof.sources[f"gpu.{f.name}"].kind == "measured", f.name

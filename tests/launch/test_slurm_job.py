@@ -103,6 +103,7 @@ def _leftovers(marker: str) -> list[str]:
     return [f"{pid} {args}" for pid, args, _ in _processes() if marker in args]
 
 
+@pytest.mark.slow  # the same USR1 -> checkpoint -> requeue -> resume runs across two nodes in e2e (test_multinode.py)
 def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
     total = 12  # steps take ~1 s: the stop lands well before the end
     run = tmp_path / "ppo_tiny"

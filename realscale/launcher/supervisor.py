@@ -29,6 +29,7 @@ from realscale.eval import evaluate_heldout
 from realscale.inference.sglang_launcher import check_sglang_version
 from realscale.launcher import Backend, backend_for, clear_stop, ranks_backend, request_stop, served, stop_reason
 from realscale.metrics import MetricsLogger, plot_run, summary_text
+from realscale.parallel.device import cuda_usable
 from realscale.planner.apply import apply_plan
 from realscale.sft import prepare_policy_model
 from realscale.train.checkpoint import checkpoint_name, disk_usage, final_dir, latest_checkpoint, read_final_export
@@ -167,8 +168,6 @@ def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], d
         return acc
 
     import torch
-
-    from realscale.parallel.device import cuda_usable
 
     if cfg.eval.data or cuda_usable():
         done = compute()

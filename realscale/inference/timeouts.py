@@ -48,8 +48,10 @@ class RequestTimeouts:
         self.slack = float(slack)
         self.clock = clock
         self.rates: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._paused_at: float | None = None
-        self._paused_total = 0.0
+        # (seconds paused before the current pause, when the current pause began or None),
+        # replaced whole: rank 0's thread holds and releases the clocks while the client's
+        # loop reads them, and neither waits for the other (a saturated loop is seconds behind)
+        self._pauses: tuple[float, float | None] = (0.0, None)
 
     # ------------------------------------------------------------------ measurements
 
@@ -66,13 +68,18 @@ class RequestTimeouts:
     # ------------------------------------------------------------------ pauses
 
     def pause(self) -> None:
-        if self._paused_at is None:
-            self._paused_at = self.clock()
+        total, since = self._pauses
+        if since is None:
+            self._pauses = (total, self.clock())
 
     def resume(self) -> None:
-        if self._paused_at is not None:
-            self._paused_total += self.clock() - self._paused_at
-            self._paused_at = None
+        total, since = self._pauses
+        if since is not None:
+            self._pauses = (total + self.clock() - since, None)
+
+    @property
+    def paused(self) -> bool:
+        return self._pauses[1] is not None
 
     def mark(self) -> tuple[float, float]:
         """A start mark for :meth:`active_since`."""
@@ -84,8 +91,8 @@ class RequestTimeouts:
         return (self.clock() - start) - (self._paused_now() - paused)
 
     def _paused_now(self) -> float:
-        ongoing = self.clock() - self._paused_at if self._paused_at is not None else 0.0
-        return self._paused_total + ongoing
+        total, since = self._pauses
+        return total + (self.clock() - since if since is not None else 0.0)
 
     # ------------------------------------------------------------------ limits
 

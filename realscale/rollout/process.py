@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
     from realscale.config import AlgoConfig, Config
     from realscale.data.groups import Group
-    from realscale.inference.client import InferenceClient
     from realscale.rollout.controller import RolloutController
     from realscale.train.batch import PackedBatch
 
@@ -153,12 +152,15 @@ class LocalRollouts:
 
     def pause(self) -> None:
         """No new prompts; the servers are being paused, so requests held there do not
-        run out of time (the controller's client keeps its own request clocks)."""
+        run out of time (the controller's client keeps its own request clocks). Both from
+        this thread, never a round trip through the controller's loop: a loop ingesting at
+        full speed ran such a call 32-61 s late and held up rank 0's weight update
+        (BENCHMARKS.md, the rollout tier)."""
         self.controller.pause()
-        self.controller.call(_hold_clocks)
+        self.controller.client.timeouts.pause()
 
     def resume(self) -> None:
-        self.controller.call(_release_clocks)
+        self.controller.client.timeouts.resume()
         self.controller.resume()
 
     def set_version(self, version: int) -> None:
@@ -181,14 +183,6 @@ class LocalRollouts:
 
     def stop(self) -> None:
         self.controller.stop()
-
-
-async def _hold_clocks(client: InferenceClient) -> None:
-    client.timeouts.pause()
-
-
-async def _release_clocks(client: InferenceClient) -> None:
-    client.timeouts.resume()
 
 
 class ControllerProcess:

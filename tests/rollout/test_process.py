@@ -100,12 +100,44 @@ def test_servers_a_weight_update_retired_leave_generation(server, arith_jsonl, t
         gen_clock = rollouts.controller.client.timeouts
         control.pause(cfg.generate.pause_mode)
         # the generation client's requests do not run out of time while the servers are paused
-        assert gen_clock._paused_at is not None and control.client.timeouts._paused_at is not None
+        assert gen_clock.paused and control.client.timeouts.paused
         control.client.servers[0].retired = True  # as when it missed a weight update
         control.resume(1)
         gen = rollouts.controller.client.servers[0]
         assert gen.retired and not gen.healthy and rollouts.stats()["version"] == 1
-        assert gen_clock._paused_at is None
+        assert not gen_clock.paused
     finally:
         control.close()
         rollouts.stop()
+
+
+def test_pause_does_not_wait_for_a_busy_controller_loop(server, arith_jsonl, tmp_path) -> None:
+    """Rank 0 pauses the rollouts before every weight update. A controller loop that is
+    seconds behind (ingesting at full speed: the rollout-tier benchmark measured 32-61 s)
+    must not hold the update up: no new prompts and the request clocks held, at once."""
+    import time
+
+    url, srv = server
+    cfg = _cfg(arith_jsonl, "rollout.controller_process=false")
+    rollouts = start_rollouts(cfg, srv.model_path, [url], str(tmp_path))
+    try:
+        rollouts.resume()
+        busy = rollouts.controller.submit(lambda client: _hog_the_loop(3.0))
+        time.sleep(0.2)  # the loop is inside the hog now
+        t = time.perf_counter()
+        rollouts.pause()
+        took = time.perf_counter() - t
+        assert took < 1.0, f"pause() waited {took:.1f} s for the controller's loop"
+        assert rollouts.controller.client.timeouts.paused and rollouts.stats()["paused"]
+        t = time.perf_counter()
+        rollouts.resume()
+        assert time.perf_counter() - t < 1.0 and not rollouts.controller.client.timeouts.paused
+        busy.result(10)
+    finally:
+        rollouts.stop()
+
+
+async def _hog_the_loop(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)  # blocks the event loop, as a burst of parsing and stitching does

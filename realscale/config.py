@@ -69,6 +69,7 @@ class RunConfig:
     total_steps: int = knob(20, "Number of RL (policy-update) steps to run.")
     checkpoint_every: int = knob(10, "Save a resumable checkpoint every k steps (0: only at the end).")
     keep_checkpoints: int = knob(0, "Keep only the newest k checkpoints (older ones are deleted after each successful save; 0: keep all). Pinned ones are never deleted.")
+    export_every: int = knob(0, "Also write the policy as an HF directory every k steps, <run>/exports/step_<k> (0: none; the last step's is <run>/final either way): a learning curve evaluated after the run. A collective of the trainer ranks, like the final export; nothing deletes them (each holds the model's weights once).")
     pin_checkpoints: List[int] = knob([], "Steps whose checkpoints are never deleted by keep_checkpoints (a checkpoint directory holding a file named PIN is kept too).")
     log_every: int = knob(1, "Write metrics every k steps.")
     tensorboard: bool = knob(False, "Also write TensorBoard event files.")
@@ -80,6 +81,7 @@ class RunConfig:
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "log_every", self.log_every)
         _positive("run", "keep_checkpoints", self.keep_checkpoints, allow_zero=True)
+        _positive("run", "export_every", self.export_every, allow_zero=True)
         _one_of("run", "wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 

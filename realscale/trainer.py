@@ -64,7 +64,8 @@ from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import BatchScatter, ScatterStats
-from realscale.train.checkpoint import Checkpointer, disk_usage, export_final, record_trained, truncate_logs
+from realscale.train.checkpoint import (Checkpointer, disk_usage, export_dir, export_final, record_trained,
+                                         truncate_logs)
 from realscale.train.critic import CriticEngine, critic_engine_config
 from realscale.train.engine import EngineConfig, MegatronEngine
 from realscale.train.reference import reference_for
@@ -153,6 +154,7 @@ class Trainer:
                 saved = self._checkpoint_due()
                 if saved:
                     self.save()
+                self._export_due()
                 if self.step < cfg.run.total_steps and self._stop_requested():
                     if not saved:  # pre-emption / time limit: keep this step's work
                         self.save()
@@ -271,6 +273,12 @@ class Trainer:
         if self.is_driver:
             extra["controller"] = self.controller.state_dict()
         self.checkpoints.save(self.engine, self.step, extra, critic=self.critic)
+
+    def _export_due(self) -> None:
+        """An HF snapshot of this step (``run.export_every``; the last step's is the final export)."""
+        every = self.cfg.run.export_every
+        if every and self.step % every == 0 and self.step < self.cfg.run.total_steps:
+            export_final(self.engine, self.out_dir, self.step, export_dir(self.out_dir, self.step))
 
     def _stop_requested(self) -> bool:
         """Has the launcher asked the run to stop? The driver reads the request; every

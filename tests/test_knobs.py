@@ -38,6 +38,7 @@ CONSUMERS: dict[str, str] = {
     "run.seed": "realscale.train.engine:EngineConfig.from_config",
     "run.total_steps": "realscale.trainer:Trainer.train",
     "run.checkpoint_every": "realscale.trainer:Trainer._checkpoint_due",
+    "run.export_every": "realscale.trainer:Trainer._export_due",
     "run.log_every": "realscale.trainer:Trainer._log",
     "run.tensorboard": "realscale.trainer:Trainer._start_driver",
     "run.wandb": "realscale.trainer:Trainer._start_driver",

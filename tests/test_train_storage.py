@@ -1,6 +1,7 @@
 """`realscale train` keeps its storage bounded: checkpoint rotation with a pinned step,
 disk weight updates that keep only the version every server has loaded, and the disk
-use reported per step and in the summary."""
+use reported per step and in the summary; HF snapshots every k steps (run.export_every)
+for a learning curve, the last step's being the final export."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.timeout(900)]  # a whole run: ~2-4 min
 
 ARGS = ["model.path=tiny-qwen2", "data.source=task:arith", "run.total_steps=4", "run.checkpoint_every=1",
-        "run.keep_checkpoints=2", "run.pin_checkpoints=[1]", "generate.weight_update=disk", "generate.num_servers=2",
+        "run.keep_checkpoints=2", "run.pin_checkpoints=[1]", "run.export_every=2", "generate.weight_update=disk", "generate.num_servers=2",
         "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_staleness=1", "generate.max_new_tokens=4",
         "train.max_tokens_per_micro_batch=512", "rollout.filter_all_equal=false"]
 
@@ -36,3 +37,11 @@ def test_rotation_weight_pruning_and_disk_report(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["disk"]["disk/weights_bytes"] > 0
     assert "disk use:" in proc.stdout and "checkpoints" in proc.stdout
+    # snapshots at steps 2 (and not 4: the final export is that one), each whole, marked
+    from safetensors.torch import load_file
+
+    assert os.listdir(run / "exports") == ["step_000002"]
+    snap = run / "exports" / "step_000002"
+    assert json.loads((snap / "export.json").read_text())["step"] == 2 and (snap / "config.json").exists()
+    mid, final = load_file(str(snap / "model.safetensors")), load_file(str(run / "final" / "model.safetensors"))
+    assert {n: (t.shape, t.dtype) for n, t in mid.items()} == {n: (t.shape, t.dtype) for n, t in final.items()}

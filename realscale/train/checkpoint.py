@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 LATEST = "latest_checkpoint"
 FINAL = "final"
+EXPORTS = "exports"
 FINAL_RECORD = "export.json"
 PIN_FILE = "PIN"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -209,14 +210,20 @@ def final_dir(out_dir: str) -> str:
     return os.path.join(out_dir, FINAL)
 
 
-def export_final(engine: "MegatronEngine", out_dir: str, step: int) -> str:
-    """Write the trained weights as an HF directory, ``<run>/final``: a collective of every
-    trainer rank (the tensor- and pipeline-parallel gathers run on the ranks' own backend
-    and devices); rank 0 writes, into ``final.tmp`` renamed whole, with ``export.json``
-    (the step, the world and backend that made it, the layout). Returns the directory."""
+def export_dir(out_dir: str, step: int) -> str:
+    """Where the HF snapshot of step ``step`` goes (``run.export_every``)."""
+    return os.path.join(out_dir, EXPORTS, f"step_{step:06d}")
+
+
+def export_final(engine: "MegatronEngine", out_dir: str, step: int, dest: str = "") -> str:
+    """Write the trained weights as an HF directory, ``<run>/final`` (or ``dest``: a
+    snapshot, :func:`export_dir`): a collective of every trainer rank (the tensor- and
+    pipeline-parallel gathers run on the ranks' own backend and devices); rank 0 writes,
+    into ``<dest>.tmp`` renamed whole, with ``export.json`` (the step, the world and
+    backend that made it, the layout). Returns the directory."""
     import torch.distributed as dist  # (torch: this module has none at the top)
 
-    final = final_dir(out_dir)
+    final = dest or final_dir(out_dir)
     tmp = final + ".tmp"
     driver = dist.get_rank() == 0
     if driver:

@@ -11,10 +11,15 @@ tree is sampled for its peak resident memory; each final model is scored by the 
 held-out evaluation (200 problems: greedy, and 4 samples at T = 1).
 
 Per system and seed: seconds from launch to the last optimizer step of the 30 rounds
-(realscale's includes its held-out evaluation of the warm start, ~8 s, which TRL does not
-run), to the first step, trained and generated tokens per second of that span, peak
-memory, held-out accuracy. Medians and min-max over the seeds; ratios of the medians.
-Writes ``benchmarks/results/bench_vs_peers.json``.
+(realscale's start-up includes its held-out evaluation of the warm start, on a thread,
+which TRL does not run), to the first step, trained and generated tokens per second of
+that span, peak memory, held-out accuracy. The learning curve: each system writes its
+policy every ``--snapshot-every`` rounds (realscale ``run.export_every``, TRL a callback;
+both timed at the end of that round, both paying for the write) and each snapshot is
+scored afterwards by the same held-out evaluation: seconds to ``--target`` sampled
+accuracy, and accuracy at the time the faster system finished. Medians and min-max over
+the seeds; ratios of the medians. Writes ``benchmarks/results/bench_vs_peers.json`` and
+the curves, ``bench_vs_peers_curve.png``.
 
 AReaL's CPU example is not in this benchmark yet: it ran only after patching its vLLM
 server for vLLM 0.32 (issue 34), and its behaviour and trainer log-probs disagreed.
@@ -36,6 +41,7 @@ from typing import Any
 from _cli import REPO, checkout_env, run_realscale
 
 RESULTS = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers.json")
+CURVE = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers_curve.png")
 RECIPE = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 TRL_PYTHON = os.path.join(REPO, "benchmarks", ".venv-trl", "bin", "python")
 
@@ -97,37 +103,83 @@ def _heldout(model_dir: str, seed: int) -> dict[str, float]:
     return out
 
 
-def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int) -> dict[str, Any]:
+def _curve(snapshots: list[tuple[int, float, str]], final: tuple[int, float, dict[str, float]],
+           seed: int) -> list[dict[str, Any]]:
+    """Held-out accuracy of every snapshot (round, seconds since launch, directory), then
+    the final model's (already evaluated)."""
+    points = [{"round": r, "time_s": t, **_heldout(d, seed)} for r, t, d in snapshots]
+    return points + [{"round": final[0], "time_s": final[1], **final[2]}]
+
+
+def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int, every: int) -> dict[str, Any]:
     name = f"realscale_seed{seed}"
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft_dir}", f"run.seed={seed}",
-           f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}"]
+           f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}", f"run.export_every={every}"]
     start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), checkout_env())
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
     steps = [m for m in metrics if "train/loss" in m]
     last, first = steps[-1]["time"] - start, steps[0]["time"] - start
     trained = sum(m["perf/trained_tokens"] for m in steps)
     generated = max(m.get("rollout_ctl/generated_tokens", 0) for m in metrics)
+    heldout = _heldout(os.path.join(run_dir, "final"), seed)
+    times = {m["step"]: m["time"] - start for m in steps}  # a snapshot is written right after its step
+    snaps = [(r, times[r], os.path.join(run_dir, "exports", f"step_{r:06d}"))
+             for r in range(every, rounds, every)] if every else []
     return {"to_last_step_s": last, "first_step_s": first, "trained_tokens": trained, "generated_tokens": generated,
             "trained_tok_s": trained / last, "generated_tok_s": generated / last, "peak_rss_gb": peak / 2**30,
-            "heldout": _heldout(os.path.join(run_dir, "final"), seed)}
+            "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
 
 
-def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str) -> dict[str, Any]:
+def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str,
+                 every: int) -> dict[str, Any]:
     out = os.path.join(work, f"trl_seed{seed}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cmd = [python, os.path.join(REPO, "benchmarks", "peers", "trl_grpo.py"), "--model", sft_dir, "--train",
-           train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed)]
+           train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed), "--snapshot-every", str(every)]
     _, peak = _timed(cmd, os.path.join(work, f"trl_seed{seed}.log"), checkout_env())
     res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
     last = res["step_times_s"][-1]
+    heldout = _heldout(os.path.join(out, "final"), seed)
+    snaps = [(s["round"], s["time_s"], s["dir"]) for s in res["snapshots"]]
     return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],
             "generated_tokens": res["generated_tokens"], "trained_tok_s": res["trained_tokens"] / last,
             "generated_tok_s": res["generated_tokens"] / last, "peak_rss_gb": peak / 2**30,
             "versions": {"trl": res["trl"], "torch": res["torch"]},
-            "heldout": _heldout(os.path.join(out, "final"), seed)}
+            "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
+
+
+def _to_target(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Seconds from launch to the first point whose sampled accuracy reaches ``target``."""
+    return next((p["time_s"] for p in curve if p["sampled"] >= target), None)
+
+
+def _at_time(curve: list[dict[str, Any]], seconds: float) -> float | None:
+    """Sampled accuracy of the newest point no later than ``seconds`` (None: none yet)."""
+    before = [p for p in curve if p["time_s"] <= seconds]
+    return before[-1]["sampled"] if before else None
+
+
+def _plot(runs: dict[str, list[dict[str, Any]]], target: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (system, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        for i, run in enumerate(seeds):
+            ax.plot([p["time_s"] for p in run["curve"]], [100 * p["sampled"] for p in run["curve"]], "o-",
+                    color=color, alpha=0.8, label=system if i == 0 else None)
+    ax.axhline(100 * target, color="grey", ls=":", label=f"target {100 * target:.0f}%")
+    ax.set_xlabel("seconds from launch")
+    ax.set_ylabel("held-out sampled accuracy, %")
+    ax.set_title("default recipe, 2-core CPU: realscale vs TRL GRPOTrainer (each seed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,6 +201,8 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_vs_peers"))
     ap.add_argument("--reuse-sft", action="store_true", help="keep the warm start already in --work")
     ap.add_argument("--trl-python", default=TRL_PYTHON)
+    ap.add_argument("--snapshot-every", type=int, default=5, help="evaluate the policy every k rounds (0: only the end)")
+    ap.add_argument("--target", type=float, default=0.8, help="held-out sampled accuracy for the time-to-target")
     args = ap.parse_args()
     if not os.path.exists(args.trl_python):
         raise SystemExit(f"bench_vs_peers: no TRL environment at {args.trl_python}: bash benchmarks/peers/setup_trl.sh")
@@ -170,8 +224,9 @@ def main() -> None:
     start_acc = _heldout(sft_dir, 0)
     runs: dict[str, list[dict[str, Any]]] = {"realscale": [], "trl": []}
     for seed in args.seeds:
-        runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds))
-        runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python))
+        runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds, args.snapshot_every))
+        runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python,
+                                        args.snapshot_every))
         print(f"seed {seed}: " + "; ".join(f"{k} {r[-1]['to_last_step_s']:.1f} s, sampled "
                                            f"{100 * r[-1]['heldout']['sampled']:.1f}%" for k, r in runs.items()),
               flush=True)
@@ -183,10 +238,21 @@ def main() -> None:
                  for s in ("realscale", "trl")]
         print(f"{k:18s} realscale {cells[0]:28s} TRL {cells[1]}")
     print(f"TRL's time to the last step / realscale's: {ratio:.2f}x (above 1: realscale is faster)")
+    # the learning curves: time to the target accuracy, and accuracy when the faster system finished
+    equal = min(summary[s]["to_last_step_s"]["median"] for s in runs)
+    for system, seeds in runs.items():
+        reached = [_to_target(r["curve"], args.target) for r in seeds]
+        at_equal = [_at_time(r["curve"], equal) for r in seeds]
+        summary[system]["to_target_s"] = reached
+        summary[system]["sampled_at_equal_time"] = at_equal
+        print(f"{system}: seconds to {100 * args.target:.0f}% sampled per seed {reached}; sampled accuracy at "
+              f"{equal:.0f} s per seed {at_equal}")
+    _plot(runs, args.target, CURVE)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"args": vars(args), "warm_start": start_acc, "runs": runs, "summary": summary,
-                   "trl_over_realscale_time": ratio, "load_average_before": os.getloadavg()}, fh, indent=1)
+                   "trl_over_realscale_time": ratio, "equal_time_s": equal,
+                   "load_average_before": os.getloadavg()}, fh, indent=1)
 
 
 if __name__ == "__main__":

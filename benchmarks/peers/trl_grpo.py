@@ -15,8 +15,9 @@ bf16 matrix units) made every step ~8x slower; realscale trains in fp32 here too
 What differs, and why: TRL has no all-equal filter (DAPO's dynamic sampling) and no
 staleness bound (it is synchronous: generate a round, then train on it); it generates
 with ``transformers``' ``generate`` in the training process. Writes ``result.json``
-(times of every optimizer step from process start, trained and generated tokens) and the
-final model to ``--out``.
+(times of every optimizer step from process start, trained and generated tokens, the
+snapshots' rounds and times) and the final model to ``--out``; with ``--snapshot-every k``
+the model every k rounds too (a learning curve, evaluated by the bench afterwards).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 
 START = time.time()  # before the heavy imports: "first step after" counts them, as for realscale
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--snapshot-every", type=int, default=0,
+                    help="save the model every k rounds under <out>/snapshots/round_<k> (0: none)")
     args = ap.parse_args()
 
     import torch
@@ -60,10 +64,19 @@ def main() -> None:
         return [1.0 if is_correct(c[0]["content"], a) else 0.0 for c, a in zip(completions, answer)]
 
     steps: list[float] = []
+    snapshots: list[dict[str, float]] = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):  # noqa: ANN001 - transformers' callback API
             steps.append(time.time() - START)
+            rounds, every = len(steps) // 4, args.snapshot_every  # a round: one generation, 4 optimizer steps
+            if every and len(steps) % 4 == 0 and rounds % every == 0 and rounds < args.rounds:
+                snap = os.path.join(args.out, "snapshots", f"round_{rounds:03d}")
+                kw["model"].save_pretrained(snap)
+                for name in os.listdir(args.model):  # the same tokenizer, for the evaluation
+                    if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                        shutil.copy(os.path.join(args.model, name), snap)
+                snapshots.append({"round": rounds, "time_s": steps[-1], "dir": snap})
 
     cfg = GRPOConfig(
         output_dir=os.path.join(args.out, "trl"), seed=args.seed, use_cpu=True, report_to="none",
@@ -78,7 +91,7 @@ def main() -> None:
     trainer.train()
     trainer.save_model(os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w", encoding="utf-8") as fh:
-        json.dump({"step_times_s": steps, "wall_s": time.time() - START, "generated_tokens": generated["tokens"],
+        json.dump({"step_times_s": steps, "snapshots": snapshots, "wall_s": time.time() - START, "generated_tokens": generated["tokens"],
                    "generated_answers": generated["answers"], "trained_tokens": generated["tokens"],
                    "torch": torch.__version__,
                    "trl": __import__("trl").__version__, "seed": args.seed, "rounds": args.rounds}, fh, indent=1)

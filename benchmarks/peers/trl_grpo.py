@@ -91,8 +91,8 @@ def main() -> None:
     trainer.train()
     trainer.save_model(os.path.join(args.out, "final"))
     with open(os.path.join(args.out, "result.json"), "w", encoding="utf-8") as fh:
-        json.dump({"step_times_s": steps, "snapshots": snapshots, "wall_s": time.time() - START, "generated_tokens": generated["tokens"],
-                   "generated_answers": generated["answers"], "trained_tokens": generated["tokens"],
+        json.dump({"step_times_s": steps, "snapshots": snapshots, "wall_s": time.time() - START,
+                   "generated_tokens": generated["tokens"], "generated_answers": generated["answers"], "trained_tokens": generated["tokens"],
                    "torch": torch.__version__,
                    "trl": __import__("trl").__version__, "seed": args.seed, "rounds": args.rounds}, fh, indent=1)
 

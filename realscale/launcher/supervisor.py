@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -154,10 +155,11 @@ def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], d
     On GPUs it runs first, before anything starts: the device it would use is a trainer
     rank's."""
     path = os.path.join(out_dir, "eval_start.json")
+    accuracy: Future[dict[str, float] | None] = Future()
     if latest_checkpoint(out_dir) is not None and os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
-            done = json.load(fh)
-        return lambda: done
+            accuracy.set_result(json.load(fh))
+        return accuracy.result
 
     def compute() -> dict[str, float] | None:
         acc = _heldout(cfg, model_dir, os.path.join(out_dir, "eval_start"))
@@ -170,29 +172,21 @@ def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], d
     import torch
 
     if cfg.eval.data or cuda_usable():
-        done = compute()
-        return lambda: done
-    result: dict[str, Any] = {}
+        accuracy.set_result(compute())
+        return accuracy.result
 
     def on_thread() -> None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            result["value"] = compute()
-        except BaseException as exc:  # noqa: BLE001 - raised again in the supervisor's thread
-            result["error"] = exc
+            accuracy.set_result(compute())
+        except BaseException as exc:  # noqa: BLE001 - raised again where the supervisor waits for it
+            accuracy.set_exception(exc)
         finally:
             torch.set_num_threads(threads)
 
-    thread = threading.Thread(target=on_thread, name="eval-start", daemon=True)
-    thread.start()
-
-    def wait() -> dict[str, float] | None:
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        return result["value"]
-    return wait
+    threading.Thread(target=on_thread, name="eval-start", daemon=True).start()
+    return accuracy.result
 
 
 def stopped_early(cfg: Config, backend: Backend, out_dir: str, reason: str) -> int:

@@ -364,6 +364,7 @@ def test_torchrun_rendezvous_across_nodes(cluster: None, tmp_path: Path, tiny_ru
     from dataclasses import asdict
 
     from realscale.config import load_config
+    from realscale.launcher.local import ServerProc, wait_healthy
     from realscale.launcher.spec import RunSpec, spec_path
     from realscale.models.tiny import resolve_model_path
 
@@ -372,13 +373,13 @@ def test_torchrun_rendezvous_across_nodes(cluster: None, tmp_path: Path, tiny_ru
     model = resolve_model_path(cfg.model.path)
     url = f"http://{NET}.11:31000"
     (out / "logs").mkdir(parents=True)
+    log = out / "logs" / "server0.log"
     server = subprocess.Popen(["bash", ".ci/cluster_node.sh", "exec", "rs-node1", sys.executable, "-m", "realscale",
                                "serve", "--model", model, "--host", "0.0.0.0", "--port", "31000"], env=_env(),
-                              cwd=REPO, stdout=open(out / "logs" / "server0.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                              cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     agents = []
     try:
-        _wait_url_healthy(url, server, timeout=120)
+        wait_healthy(ServerProc(url, server, str(log)), timeout=120, what="the server inside rs-node1")
         spec = RunSpec(asdict(cfg), model, str(out), [url]).save(spec_path(str(out)))
         env = {**_env(), "OMP_NUM_THREADS": "1"}
         for i, node in enumerate(("rs-node1", "rs-node2")):
@@ -406,23 +407,6 @@ def test_torchrun_rendezvous_across_nodes(cluster: None, tmp_path: Path, tiny_ru
     assert record == {"step": 2, "world_size": 2, "backend": "gloo", "layout": {"tp": 1, "pp": 1, "dp": 2}}
     for m in _metrics(out):  # rank 0 -> rank 1 on the other node: every byte of the batch, once
         assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
-
-
-def _wait_url_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"the server inside rs-node1 exited ({proc.returncode})"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{url} not healthy after {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 def _leftovers(marker: str) -> list[str]:

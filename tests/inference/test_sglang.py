@@ -323,5 +323,8 @@ def test_train_and_eval_with_sglang_servers(tmp_path) -> None:
     ev = _realscale("eval", "--model", str(run / "final"), "--data", "task:arith", "--num", "20", "--samples", "1",
                     "--k", "1", "--out", str(tmp_path / "eval"), "generate.backend=sglang", "data.task_heldout=20")
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "eval" / "per_problem.jsonl").read_text().splitlines()]
+    # one record per "\n": a random tiny model's completions may hold U+0085 or U+2028, which
+    # per_problem.jsonl writes raw (ensure_ascii=False) and str.splitlines() would split on
+    with open(tmp_path / "eval" / "per_problem.jsonl", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh]
     assert len(rows) == 20 and all("correct" in r for r in rows)

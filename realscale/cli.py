@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("realscale.commands.info", "report the environment: torch, megatron-core, CUDA, compiled kernels"),
     "plan": ("realscale.commands.plan", "place RL roles on a cluster (mesh + dp/tp/pp each) from the cost model; print/write a plan"),
     "serve": ("realscale.commands.serve", "start the embedded generation server (SGLang HTTP protocol)"),
+    "judge": ("realscale.commands.judge", "serve the code reward's sandbox over HTTP to runs whose hosts cannot run it (reward.code_judge_url)"),
     "sft": ("realscale.commands.sft", "supervised fine-tuning (prompt/response or chat JSONL, or the task) on the Megatron engine; staged recipes"),
     "eval": ("realscale.commands.eval", "pass@k / avg@n / maj@n of a model on a benchmark file or a task, through generation servers"),
     "data": ("realscale.commands.data", "convert public dataset layouts (GSM8K, MATH, AIME, AReaL, code) into the recipe format"),

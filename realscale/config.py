@@ -330,6 +330,7 @@ class RewardConfig:
     code_disk_mb: int = knob(64, "Code reward: disk quota of one sandboxed run: its work dir, /tmp, /var/tmp, /dev/shm and /run/lock together (MiB).")
     code_sandbox_allow_weaker: bool = knob(False, "Code reward: run programs even when a layer of the sandbox is missing (a warning once, metric reward_pool/sandbox_weakened); off: such runs score 0 with reason 'sandbox'. Never runs a program as root.")
     code_python: str = knob("", "Code reward: the Python that runs candidate programs (a venv runs its base interpreter; only its standard library is visible); empty: the trainer's.")
+    code_judge_url: str = knob("", "Code reward: URL of a code judge ('realscale judge', started where the sandbox works) that scores for this run, for hosts that give neither root nor user namespaces; checked before the run starts. Empty: the sandbox runs in the reward workers' process.")
     code_uid_base: int = knob(61000, "Code reward: sandbox uids are code_uid_base+1 .. +256 (the judge runs as code_uid_base); give containers that share a kernel but not /run disjoint ranges.")
 
     def __post_init__(self) -> None:
@@ -341,6 +342,9 @@ class RewardConfig:
         _positive("reward", "code_disk_mb", self.code_disk_mb)
         if not 1000 <= self.code_uid_base <= 2**31 - 1024:
             raise ConfigError(f"reward.code_uid_base: must be in [1000, {2**31 - 1024}], got {self.code_uid_base}")
+        if self.code_judge_url and not self.code_judge_url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.code_judge_url: {self.code_judge_url!r} is not an http(s) URL "
+                              "(e.g. http://judge-host:8500)")
 
 
 @dataclass

@@ -149,6 +149,7 @@ CONSUMERS: dict[str, str] = {
     "reward.code_python": "realscale.reward.code_reward:CodeReward.from_config",
     "reward.code_sandbox_allow_weaker": "realscale.reward.code_reward:CodeReward.from_config",
     "reward.code_uid_base": "realscale.reward.code_reward:CodeReward.from_config",
+    "reward.code_judge_url": "realscale.reward.judge:JudgeClient.from_config",
     # sft
     "sft.base_model": "realscale.sft:build_base_model",
     "sft.hidden_size": "realscale.sft:build_base_model",

@@ -86,17 +86,25 @@ def _check_code_sandbox(cfg: "Config") -> None:
     user, like the reward workers on rank 0's node. As root the sandbox uses its own uids
     and cgroups; as a user, user namespaces (the probe really creates one, so a cluster
     that forbids them is caught here, with the sysctl that does)."""
+    from realscale.reward.judge import JudgeError, check_judge
     from realscale.reward.sandbox import Sandbox, SandboxRefused
 
     r = cfg.reward
     if r.kind != "code":
         return
+    if r.code_judge_url:  # the judge's sandbox scores, not this host's
+        try:
+            check_judge(r.code_judge_url, r.code_sandbox_allow_weaker)
+        except JudgeError as exc:
+            raise UserError(f"reward.kind=code: {exc}; every answer would score 0") from None
+        return
     try:
         Sandbox(r.code_python or None, uid_base=r.code_uid_base).layers_for(r.code_sandbox_allow_weaker)
     except SandboxRefused as exc:
         raise UserError(f"reward.kind=code: {exc}; every answer would score 0. Run the job where the sandbox "
-                        "works (as root, or as a user where unprivileged user namespaces are allowed), or accept a "
-                        "weaker one with reward.code_sandbox_allow_weaker=true") from None
+                        "works (as root, or as a user where unprivileged user namespaces are allowed), score through "
+                        "a code judge started where it works (realscale judge; reward.code_judge_url=http://HOST:PORT), "
+                        "or accept a weaker one with reward.code_sandbox_allow_weaker=true") from None
 
 
 def preflight(cfg: "Config") -> None:

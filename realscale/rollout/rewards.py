@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from realscale.data.dataset import PromptSample, score
 from realscale.reward import CodeReward, MathReward
+from realscale.reward.judge import JudgeClient
 from realscale.reward.math_extract import extract_answer
 from realscale.reward.result import ERROR, OK, TIMEOUT, RewardResult
 
@@ -122,20 +123,24 @@ _POOLS_LOCK = threading.Lock()
 
 
 def _pool(kind: str, cfg: RewardConfig) -> Any:
-    """The shared MathReward/CodeReward for this configuration (built on first use)."""
+    """The shared MathReward/CodeReward (or JudgeClient) for this configuration (built on first use)."""
     if kind == "math":
         key: tuple[Any, ...] = ("math", cfg.workers, cfg.timeout, cfg.max_answer_chars)
+    elif cfg.code_judge_url:
+        key = ("code", "judge", cfg.code_judge_url, cfg.code_concurrency, cfg.timeout)
     else:
         key = ("code", cfg.code_concurrency, cfg.timeout, cfg.code_memory_mb, cfg.code_disk_mb,
                cfg.code_sandbox_allow_weaker, cfg.code_python, cfg.code_uid_base)
     with _POOLS_LOCK:
         if key not in _POOLS:
-            _POOLS[key] = (MathReward if kind == "math" else CodeReward).from_config(cfg)
+            build = MathReward if kind == "math" else JudgeClient if cfg.code_judge_url else CodeReward
+            _POOLS[key] = build.from_config(cfg)
         return _POOLS[key]
 
 
 def reward_pool_stats() -> dict[str, float]:
-    """Counters of the shared code reward pools (runs by reason, ``sandbox_weakened``), for the step log."""
+    """Counters of the shared code reward pools (runs by reason, ``sandbox_weakened``,
+    ``judge_unreachable``), for the step log."""
     with _POOLS_LOCK:
         pools = [p for key, p in _POOLS.items() if key[0] == "code"]
     out: dict[str, float] = {}

@@ -47,9 +47,9 @@ from realscale.reward.code_reward import CodeReward
 from realscale.reward.sandbox import SandboxLimits
 
 out = {"uid": os.getuid()}
-def preflight(allow):
+def preflight(allow, judge=""):
     cfg = SimpleNamespace(reward=SimpleNamespace(kind="code", code_python="", code_uid_base=61000,
-                                                 code_sandbox_allow_weaker=allow))
+                                                 code_sandbox_allow_weaker=allow, code_judge_url=judge))
     try:
         _check_code_sandbox(cfg)
         return None
@@ -63,6 +63,16 @@ def scored(reward, pairs):
     res = reward.score_batch(pairs)
     return [(r.value, r.reason, r.detail[:300]) for r in res], time.monotonic() - t
 
+if mode == "disabled" and os.environ.get("JUDGE_URL"):  # this host cannot sandbox; a judge elsewhere can
+    from realscale.reward.judge import JudgeClient
+    url = os.environ["JUDGE_URL"]
+    out["preflight_judge"] = preflight(False, url)
+    client = JudgeClient(url, concurrency=2, timeout=5.0)
+    out["judged"], _ = scored(client, [(GOOD, ADD), ("def add(a, b):\n    return 0\n", ADD)])
+    out["judged_stats"] = client.stats()
+    client.close()
+    print(json.dumps(out))
+    sys.exit(0)
 if mode == "disabled":
     with CodeReward(concurrency=1, timeout=5.0) as strict:
         out["missing"] = strict.isolation.missing
@@ -150,7 +160,7 @@ print(json.dumps(out))
 _LAUNCH = "import os; LAUNCH = os.environ['LAUNCH']; exec(os.environ['DRIVER'])"
 
 
-def _run_as_user(tmp_path, mode: str) -> dict:
+def _run_as_user(tmp_path, mode: str, judge_url: str = "") -> dict:
     pkg = tmp_path / "pkg"
     if not pkg.exists():  # the checkout may sit where the uid cannot read: give it a copy
         shutil.copytree(os.path.join(REPO, "realscale"), pkg / "realscale", ignore=shutil.ignore_patterns("__pycache__"))
@@ -161,7 +171,7 @@ def _run_as_user(tmp_path, mode: str) -> dict:
             for name in dirs + files:
                 os.chmod(os.path.join(root, name), 0o755)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(pkg), "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
-           "DRIVER": _DRIVER, "LAUNCH": _LAUNCH}
+           "DRIVER": _DRIVER, "LAUNCH": _LAUNCH, "JUDGE_URL": judge_url}
     out = subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", PY, "-c", _LAUNCH, mode],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -244,3 +254,35 @@ def test_without_user_namespaces_the_code_recipe_is_refused_with_the_fix(tmp_pat
     assert [(v, r) for v, r, _ in got["weak"]] == [(1.0, "ok"), (1.0, "ok"), (0.0, "ok")]
     assert got["stats"]["sandbox_weakened"] == 3
     assert got["_stderr"].count("running WITHOUT a full sandbox") == 1
+
+
+def test_without_user_namespaces_a_code_judge_elsewhere_scores(tmp_path) -> None:
+    """The cluster case the judge service is for: the trainer's host forbids user namespaces
+    (as above), a ``realscale judge`` runs where the sandbox works (here: as root), and the
+    run with ``reward.code_judge_url`` passes preflight and scores 1 / 0 through it."""
+    import sys
+    import time
+    import urllib.request
+
+    from realscale.parallel.net import free_port
+
+    port = free_port()
+    judge = subprocess.Popen([sys.executable, "-m", "realscale", "judge", "--port", str(port), "reward.timeout=10"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).close()
+                break
+            except OSError:
+                assert judge.poll() is None and time.monotonic() < deadline, "the judge did not start"
+                time.sleep(0.2)
+        got = _run_as_user(tmp_path, "disabled", judge_url=url)
+    finally:
+        judge.terminate()
+        judge.wait(timeout=30)
+    assert got["preflight_judge"] is None  # this host's own sandbox would be refused (test above)
+    assert [(v, r) for v, r, _ in got["judged"]] == [(1.0, "ok"), (0.0, "ok")]
+    assert got["judged_stats"]["passed"] == 1 and got["judged_stats"]["judge_unreachable"] == 0

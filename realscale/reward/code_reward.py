@@ -41,34 +41,18 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-class CodeReward:
-    """Score programs against tests in the sandbox, ``concurrency`` at a time."""
+class ScoringPool:
+    """``(completion, tests)`` pairs scored on a bounded thread pool, verdicts counted.
 
-    def __init__(self, concurrency: int = 4, timeout: float = 10.0, memory_mb: int = 1024,
-                 max_chars: int = 100_000, nproc: int = 16, disk_mb: int = 64, allow_weaker: bool = False,
-                 python: str | None = None, uid_base: int = UID_BASE) -> None:
-        for name, value in (("concurrency", concurrency), ("timeout", timeout), ("memory_mb", memory_mb),
-                            ("max_chars", max_chars), ("nproc", nproc), ("disk_mb", disk_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"CodeReward: {name} must be a positive number, got {value!r}")
-        self.limits = SandboxLimits(timeout=float(timeout), memory_mb=int(memory_mb), nproc=int(nproc),
-                                    disk_mb=int(disk_mb))
-        self.max_chars = int(max_chars)
-        self.allow_weaker = bool(allow_weaker)
-        self.sandbox: Sandbox = shared_sandbox(python or None, uid_base)
-        self.isolation: Isolation = self.sandbox.probe()
-        self._executor = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="code-reward")
+    A subclass says how one pair is scored (:meth:`_judge`, run on a pool thread) and which
+    counters it keeps besides the reasons and ``passed`` (:attr:`EXTRA`)."""
+
+    EXTRA: tuple[str, ...] = ()
+
+    def __init__(self, concurrency: int, thread_name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix=thread_name)
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._warned = False
-
-    @classmethod
-    def from_config(cls, cfg: "object") -> "CodeReward":
-        """Build from a :class:`realscale.config.RewardConfig`."""
-        return cls(concurrency=cfg.code_concurrency, timeout=cfg.timeout,  # type: ignore[attr-defined]
-                   memory_mb=cfg.code_memory_mb, disk_mb=cfg.code_disk_mb,  # type: ignore[attr-defined]
-                   allow_weaker=cfg.code_sandbox_allow_weaker,  # type: ignore[attr-defined]
-                   python=cfg.code_python or None, uid_base=cfg.code_uid_base)  # type: ignore[attr-defined]
 
     async def score(self, completion: str, tests: object) -> RewardResult:
         """Score one completion without blocking the event loop."""
@@ -80,23 +64,30 @@ class CodeReward:
         return [f.result() for f in futures]
 
     def stats(self) -> dict[str, int]:
-        """Runs so far by reason, plus ``passed`` and ``sandbox_weakened``."""
+        """Runs so far by reason, plus ``passed`` and the :attr:`EXTRA` counters."""
         with self._lock:
             out = {reason: self._counts.get(reason, 0) for reason in REASONS}
-            out["passed"] = self._counts.get("passed", 0)
-            out["sandbox_weakened"] = self._counts.get("sandbox_weakened", 0)
+            for name in ("passed", *self.EXTRA):
+                out[name] = self._counts.get(name, 0)
         return out
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def __enter__(self) -> "CodeReward":
+    def __enter__(self) -> "ScoringPool":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- internals
+    def _judge(self, completion: str, tests: object) -> RewardResult:
+        raise NotImplementedError
+
+    def _count(self, name: str) -> int:
+        """Add one to counter ``name``; its new value."""
+        with self._lock:
+            self._counts[name] += 1
+            return self._counts[name]
 
     @staticmethod
     def _check_pair(i: int, pair: object) -> tuple[str, object]:
@@ -114,19 +105,46 @@ class CodeReward:
 
     def _score_sync(self, completion: str, tests: object) -> RewardResult:
         result = self._judge(completion, tests)
-        with self._lock:
-            self._counts[result.reason] += 1
-            if result.value > 0:
-                self._counts["passed"] += 1
+        self._count(result.reason)
+        if result.value > 0:
+            self._count("passed")
         return result
+
+
+class CodeReward(ScoringPool):
+    """Score programs against tests in the sandbox, ``concurrency`` at a time."""
+
+    EXTRA = ("sandbox_weakened",)
+
+    def __init__(self, concurrency: int = 4, timeout: float = 10.0, memory_mb: int = 1024,
+                 max_chars: int = 100_000, nproc: int = 16, disk_mb: int = 64, allow_weaker: bool = False,
+                 python: str | None = None, uid_base: int = UID_BASE) -> None:
+        for name, value in (("concurrency", concurrency), ("timeout", timeout), ("memory_mb", memory_mb),
+                            ("max_chars", max_chars), ("nproc", nproc), ("disk_mb", disk_mb)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"CodeReward: {name} must be a positive number, got {value!r}")
+        self.limits = SandboxLimits(timeout=float(timeout), memory_mb=int(memory_mb), nproc=int(nproc),
+                                    disk_mb=int(disk_mb))
+        self.max_chars = int(max_chars)
+        self.allow_weaker = bool(allow_weaker)
+        self.sandbox: Sandbox = shared_sandbox(python or None, uid_base)
+        self.isolation: Isolation = self.sandbox.probe()
+        super().__init__(concurrency, "code-reward")
+
+    @classmethod
+    def from_config(cls, cfg: "object") -> "CodeReward":
+        """Build from a :class:`realscale.config.RewardConfig`."""
+        return cls(concurrency=cfg.code_concurrency, timeout=cfg.timeout,  # type: ignore[attr-defined]
+                   memory_mb=cfg.code_memory_mb, disk_mb=cfg.code_disk_mb,  # type: ignore[attr-defined]
+                   allow_weaker=cfg.code_sandbox_allow_weaker,  # type: ignore[attr-defined]
+                   python=cfg.code_python or None, uid_base=cfg.code_uid_base)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- internals
 
     def _layers(self) -> dict[str, bool]:
         layers = self.sandbox.layers_for(self.allow_weaker)  # SandboxRefused when not allowed
         if not self.isolation.full:
-            with self._lock:
-                self._counts["sandbox_weakened"] += 1
-                warn, self._warned = not self._warned, True
-            if warn:
+            if self._count("sandbox_weakened") == 1:  # warn once
                 log.warning("code reward: running WITHOUT a full sandbox (reward.code_sandbox_allow_weaker=true): "
                             "missing %s", self.isolation.describe())
         return layers

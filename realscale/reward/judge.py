@@ -36,19 +36,15 @@ privileges, so it would fail exactly where the in-process sandbox fails.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import json
 import logging
-import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from realscale.reward.code_reward import CodeReward
-from realscale.reward.result import REASONS, SANDBOX, RewardResult
+from realscale.reward.code_reward import ScoringPool
+from realscale.reward.result import SANDBOX, RewardResult
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +58,7 @@ class JudgeError(RuntimeError):
 # --------------------------------------------------------------------------- the client
 
 
-class JudgeClient:
+class JudgeClient(ScoringPool):
     """:class:`CodeReward`'s surface over a judge service's ``/score``.
 
     ``concurrency`` requests at a time (each thread only waits on its request). A request
@@ -70,50 +66,20 @@ class JudgeClient:
     scores 0 with reason ``sandbox`` and is counted as ``judge_unreachable`` (a warning
     each time, so a lost judge is loud in the log and the step metrics)."""
 
+    EXTRA = (UNREACHABLE,)
+
     def __init__(self, url: str, concurrency: int = 4, timeout: float = 10.0, retry_s: float = 30.0) -> None:
         self.url = check_url(url)
         self.timeout = float(timeout)
         self.retry_s = float(retry_s)
-        self._executor = ThreadPoolExecutor(max_workers=int(concurrency), thread_name_prefix="code-judge")
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
+        super().__init__(concurrency, "code-judge")
 
     @classmethod
     def from_config(cls, cfg: "object") -> "JudgeClient":
         """Build from a :class:`realscale.config.RewardConfig` with ``code_judge_url`` set."""
         return cls(cfg.code_judge_url, concurrency=cfg.code_concurrency, timeout=cfg.timeout)  # type: ignore[attr-defined]
 
-    async def score(self, completion: str, tests: object) -> RewardResult:
-        return await asyncio.wrap_future(self._submit(completion, tests))
-
-    def score_batch(self, pairs: list[tuple[str, object]]) -> list[RewardResult]:
-        futures = [self._submit(*CodeReward._check_pair(i, p)) for i, p in enumerate(pairs)]
-        return [f.result() for f in futures]
-
-    def stats(self) -> dict[str, int]:
-        """This run's requests by reason, plus ``passed`` and ``judge_unreachable``."""
-        with self._lock:
-            out = {reason: self._counts.get(reason, 0) for reason in REASONS}
-            out["passed"] = self._counts.get("passed", 0)
-            out[UNREACHABLE] = self._counts.get(UNREACHABLE, 0)
-        return out
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
-    def _submit(self, completion: str, tests: object) -> Future:
-        CodeReward._check_pair(0, (completion, tests))
-        return self._executor.submit(self._score_sync, completion, tests)
-
-    def _score_sync(self, completion: str, tests: object) -> RewardResult:
-        result = self._request(completion, tests)
-        with self._lock:
-            self._counts[result.reason] += 1
-            if result.value > 0:
-                self._counts["passed"] += 1
-        return result
-
-    def _request(self, completion: str, tests: object) -> RewardResult:
+    def _judge(self, completion: str, tests: object) -> RewardResult:
         body = json.dumps({"completion": completion, "tests": tests}).encode()
         deadline = time.monotonic() + self.retry_s
         while True:
@@ -126,8 +92,7 @@ class JudgeClient:
                 if time.monotonic() < deadline:
                     time.sleep(1.0)
                     continue
-                with self._lock:
-                    self._counts[UNREACHABLE] += 1
+                self._count(UNREACHABLE)
                 log.warning("code judge %s unreachable for %.0f s (%s); scoring 0", self.url, self.retry_s, exc)
                 return RewardResult(0.0, SANDBOX, f"judge {self.url} unreachable: {exc}"[:300])
 

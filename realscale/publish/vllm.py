@@ -13,7 +13,7 @@ import torch.distributed as dist
 from realscale.inference.vllm_plugin import register
 from realscale.parallel.net import advertise_host, free_port
 from realscale.publish.control import ServerControl
-from realscale.publish.transport import SyncStats, WeightTransport, _rank, sum_over_ranks
+from realscale.publish.transport import RESENDS, SyncStats, WeightTransport, _rank, any_over_ranks, sum_over_ranks
 
 if TYPE_CHECKING:
     from realscale.inference.client import InferenceClient
@@ -87,6 +87,19 @@ class VllmSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._fan_out("/shutdown_weight_transfer_engine", lambda i, u: None)
 
+    def close_failed_update(self, urls: list[str]) -> None:
+        """End the update session a failed round left open on ``urls``: vLLM refuses to
+        leave a weight group during one (``gpu_worker.py:1500``, "Cannot release a trainer
+        connection during a weight update") and to start the next (``:1534``). Finished
+        without a version, the server keeps its last version's tag until the resend; one
+        whose session the failure already closed (``update_weights`` resets it on error,
+        ``:1581``) refuses, which is what it should do."""
+        async def go(client: InferenceClient) -> None:
+            await asyncio.gather(*(client.post(u, "/finish_weight_update", {}, timeout=self.timeout) for u in urls),
+                                 return_exceptions=True)
+
+        self.control.run(go, timeout=self.timeout)
+
 
 class VllmEngineTransport(WeightTransport):
     """vLLM's weight-transfer protocol, driven by vLLM's own trainer-side engine.
@@ -103,7 +116,8 @@ class VllmEngineTransport(WeightTransport):
     sends, finish with the new version) go through
     :class:`realscale.publish.vllm.VllmSyncClient`. A server that stopped answering is
     retired by the client and the group rebuilt among the others before the next round
-    (a collective with a dead member never completes)."""
+    (a collective with a dead member never completes); one lost during a round costs a
+    resend of that round (:meth:`_send_once`)."""
 
     def __init__(self, engine_name: str, bucket_bytes: int = 64 << 20) -> None:
         self.engine_name = engine_name
@@ -175,18 +189,11 @@ class VllmEngineTransport(WeightTransport):
         self._open(urls)
 
     def send(self, engine: "MegatronEngine", version: int, control: ServerControl | None) -> SyncStats:
-        if control is not None:
-            urls = control.run(lambda c: c.update_targets())
-            changed = urls != self.client.members
-            if self.m2n:
-                _share(changed)
-            if changed:
-                self._regroup(urls)
-            self.client.version = version
-        elif self.m2n and _share(None):  # rank 0 rebuilds the group: join the new one
-            self.trainer_engine.shutdown()
-            self._join(_share(None))
-        self.trainer_engine.send_weights()
+        """The round; sent again (to the survivors, in a rebuilt group) when servers die
+        during it (:data:`~realscale.publish.transport.RESENDS`)."""
+        for attempt in range(RESENDS + 1):
+            if not self._send_once(version, control, last=attempt == RESENDS):
+                break
         if self.m2n:
             delivered, bound = sum_over_ranks([self.trainer_engine.bytes_sent,
                                                 self.trainer_engine.lower_bound_bytes() if control is not None else 0])
@@ -198,6 +205,52 @@ class VllmEngineTransport(WeightTransport):
         delivered, bound = sum_over_ranks([self.source.nbytes() * receivers,
                                             engine.hf_weight_bytes() * len(self.client.members)])
         return SyncStats(bytes=delivered, lower_bound=bound)
+
+    def _send_once(self, version: int, control: ServerControl | None, last: bool) -> bool:
+        """One round; whether it must be sent again. A round that fails on some rank (on
+        gloo a sender errors within a second of a member's death, the survivors once the
+        failed rank has left the group) is sent again when rank 0 finds servers gone since
+        it began; any other failure is raised on every rank (after each has finished its
+        export, whose gathers run in step). On NCCL the survivors would wait in the
+        collective until its timeout instead (not run on GPUs)."""
+        self._prepare(version, control)
+        self.source.begin_round()
+        failed: Exception | None = None
+        try:
+            self.trainer_engine.send_weights()
+        except Exception as exc:  # noqa: BLE001 - judged below: a server gone, or a real error
+            failed = exc
+            # leave the broken group at once: a survivor's workers wait in their receive
+            # until every peer they wait on has closed its end (then gloo errors at once)
+            self.trainer_engine.shutdown()
+            self.source.finish_round()
+        if not any_over_ranks(failed is not None):
+            return False
+        lost = None
+        if control is not None:
+            live = control.run(lambda c: c.update_targets())
+            lost = live != self.client.members
+            self.client.close_failed_update([u for u in self.client.members if u in live])
+        if not _share(lost) or last:
+            raise failed or RuntimeError("another trainer rank's vLLM weight send failed (its log says why)")
+        if control is not None:
+            logging.getLogger(__name__).warning("vLLM weight update %s failed (%r): servers went away; sending it "
+                                                "again to the others", version, failed or "on another trainer rank")
+        return True
+
+    def _prepare(self, version: int, control: ServerControl | None) -> None:
+        """The group for this round: rebuilt among the live servers when they changed."""
+        if control is not None:
+            urls = control.run(lambda c: c.update_targets())
+            changed = urls != self.client.members
+            if self.m2n:
+                _share(changed)
+            if changed:
+                self._regroup(urls)
+            self.client.version = version
+        elif self.m2n and _share(None):  # rank 0 rebuilds the group: join the new one
+            self.trainer_engine.shutdown()
+            self._join(_share(None))
 
     def close(self) -> None:
         """The servers leave the weight group too (a next trainer on them starts clean),

@@ -44,7 +44,34 @@ if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
 
 
-class MegatronWeightSource(WeightSource):
+class _Drainable:
+    """Keeps count of the round's export, so that a round that failed (a server lost
+    during the send) can still run it to its end on this rank (:meth:`finish_round`): its
+    gathers are collectives the other trainer ranks run to the end in step, whether this
+    rank's send failed before, during or after its own iteration."""
+
+    _live: Iterator[tuple[str, torch.Tensor]] | None = None
+    _begun = 0
+
+    def begin_round(self) -> None:
+        self._live, self._begun = None, 0
+
+    def _tracked(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._live, self._begun = pairs, self._begun + 1
+        return pairs
+
+    def finish_round(self) -> None:
+        """The round's export, finished where a failed send left it, or run whole where
+        the send failed before it began."""
+        live, self._live = self._live, None
+        for _ in live if self._begun else self._pairs():
+            pass
+
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class MegatronWeightSource(_Drainable, WeightSource):
     """HF-named full tensors of a :class:`MegatronEngine`, re-iterable."""
 
     def __init__(self, engine: "MegatronEngine", bucket_bytes: int = 64 << 20) -> None:
@@ -54,10 +81,13 @@ class MegatronWeightSource(WeightSource):
 
     def metadata(self) -> list[ParamMeta]:
         if self._meta is None:
-            self._meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self]
+            self._meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._pairs()]  # not a round's
         return self._meta
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tracked(self._pairs())
+
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.engine.export_hf_weights(bucket_bytes=self.bucket_bytes):
             yield from bucket
 
@@ -125,7 +155,7 @@ def split_local(entry_kind: str, local: torch.Tensor, arch: "ModelArch") -> list
     raise ValueError(f"unknown conversion kind '{entry_kind}'")
 
 
-class MegatronShardSource(MeshedWeightSource):
+class MegatronShardSource(_Drainable, MeshedWeightSource):
     """The trainer's weights as vLLM's m2n wants them (``m2n_source.py:35-52``): each rank
     yields its **local** shards under HF names, no gather over tensor or pipeline
     parallelism. The mesh is one pipeline stage's ranks, ``(dp, tp)`` (Megatron's rank
@@ -157,8 +187,11 @@ class MegatronShardSource(MeshedWeightSource):
         return [M2NParamMeta(e.hf_name, self.dtype, e.shape, None if e.dim is None else (REPLICATE, e.dim))
                 for e in self.layout]
 
-    @torch.no_grad()
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tracked(self._pairs())
+
+    @torch.no_grad()
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
         r = self.engine.ranks
         local = local_params(self.engine.model)
         split: dict[str, list[torch.Tensor]] = {}

@@ -140,12 +140,20 @@ async def _generate_each(backend: str, urls: list[str], prompt: list[int], param
 
 def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
                        servers: list[tuple[str, int]], out_dir: str, versions: list[int],
-                       prompt: list[int], params: dict[str, Any], pp: int = 1) -> dict[str, Any]:
+                       prompt: list[int], params: dict[str, Any], pp: int = 1,
+                       kill_pid: int | None = None) -> dict[str, Any]:
     """Every trainer rank: a Megatron engine holding ``new_dir``'s weights (pipeline stages
     ``pp``, tensor parallel over the rest of the world) pushes them into the servers with
     the run's transport (``transport_for``: vLLM's trainer engine over ``gloo``, SGLang's
     weight group over ``gloo``) once per entry of ``versions``; then each server generates
-    from ``prompt`` and every rank recomputes the generated tokens' log-probs with the engine."""
+    from ``prompt`` and every rank recomputes the generated tokens' log-probs with the engine.
+    With ``kill_pid``, rank 0 SIGKILLs that server's process group during the first send, after the
+    group was built and the round begun (while its source yields the third tensor); the
+    servers still in rotation generate."""
+    import os
+    import signal
+    import time
+
     import torch.distributed as dist
 
     from realscale.config import config_from_dict
@@ -166,10 +174,25 @@ def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
         control = ServerControl(controller, [ServerEndpoint(u, r) for u, r in servers], client_factory(cfg, urls))
     transport = transport_for(cfg, out_dir)
     transport.connect(eng, control)
+    if kill_pid is not None:
+        transport.source.metadata()  # every rank (a collective), before the kill is armed: not a round's export
+    if kill_pid is not None and control is not None:
+        source, pairs = transport.source, transport.source._pairs
+
+        def pairs_then_kill() -> Iterator[tuple[str, torch.Tensor]]:
+            source._pairs = pairs  # the resend exports untouched
+            for i, pair in enumerate(pairs()):
+                if i == 2:
+                    os.killpg(kill_pid, signal.SIGKILL)  # the server and its engine core
+                    time.sleep(1.0)  # the kernel has closed its sockets
+                yield pair
+        source._pairs = pairs_then_kill
     stats = [transport.send(eng, v, control) for v in versions]
-    results = None
+    results, retired = None, []
     if control is not None:
-        results = control.run(lambda c: _generate_each(cfg.generate.backend, [u for u, _ in servers], prompt, params))
+        retired = [s.url for s in control.client.servers if s.retired]
+        live = [u for u, _ in servers if u not in retired]
+        results = control.run(lambda c: _generate_each(cfg.generate.backend, live, prompt, params))
     box = [[prompt + r.output_ids for r in results] if results else None]
     dist.broadcast_object_list(box, src=0)
     trained = _split(eng.logprobs(PackedBatch.from_sequences(box[0]))["logprobs"], box[0])
@@ -181,7 +204,7 @@ def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
         return {}
     return {"served": [r.output_logprobs for r in results], "versions": [r.output_versions for r in results],
             "trained": [t[len(prompt):] for t in trained], "stats": [s.metrics() for s in stats],
-            "members": getattr(getattr(transport, "client", None), "members", None)}
+            "members": getattr(getattr(transport, "client", None), "members", None), "retired": retired}
 
 
 def rejoin_restarted(cfg_dict: dict[str, Any], base_dir: str, new_dir: str, servers: list[tuple[str, int]],

@@ -209,6 +209,35 @@ def test_restarted_server_rejoins_the_weight_group(servers, models, tmp_path) ->
         assert cases.max_diff(served, trained) < TOL
 
 
+def test_server_killed_mid_transfer_costs_a_resend(servers, models, tmp_path) -> None:
+    """Issue 30, item 3, on vLLM's weight-transfer protocol: a server SIGKILLed *during* a
+    round (after the group was built, the workers told to receive and the trainer's export
+    begun) costs a resend, not the run. The gloo group breaks on every member within a
+    second; rank 0 finds the server gone, retires it, rebuilds the group among the others
+    and sends the round again (every trainer rank exports again, in step); the survivor
+    ends holding the trainer's weights under the round's version (it held the base model
+    before: its log-probs differ from the trainer's by far more than TOL)."""
+    from dataclasses import asdict
+
+    from realscale.config import Config
+
+    base, new = models
+    survivor = servers[0][0]  # A (B was killed by test_killed_server_run_continues)
+    asyncio.run(_load([survivor], base, 0))
+    cfg = Config()
+    cfg.generate = _gen_config(vllm_enforce_eager=True)
+    cfg.data.task_heldout = 20
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    with cases.engine_servers(base, [cfg.generate], str(tmp_path), "vLLM server", 1200) as started:
+        victim_url, _, victim = started[0]
+        out = run_distributed(cases.publish_to_servers, 2, asdict(cfg), base, new, [(survivor, 1), (victim_url, 1)],
+                              str(tmp_path), [1], PROMPTS[1], params, 1, victim.proc.pid, timeout=900)[0]  # pp=1, kill_pid
+    assert out["retired"] == [victim_url] and out["members"] == [survivor]
+    ((served, trained, versions),) = zip(out["served"], out["trained"], out["versions"])
+    assert set(versions) == {1}
+    assert cases.max_diff(served, trained) < TOL
+
+
 def test_server_that_fails_to_start_names_its_log(tmp_path) -> None:
     """A vLLM server that exits before it is ready: one line naming its log."""
     from realscale.errors import LaunchError

@@ -44,7 +44,7 @@ import urllib.request
 from typing import Any
 
 from realscale.reward.code_reward import ScoringPool
-from realscale.reward.result import SANDBOX, RewardResult
+from realscale.reward.result import SANDBOX, TIMEOUT, RewardResult
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,12 @@ class JudgeClient(ScoringPool):
 
     EXTRA = (UNREACHABLE,)
 
-    def __init__(self, url: str, concurrency: int = 4, timeout: float = 10.0, retry_s: float = 30.0) -> None:
+    def __init__(self, url: str, concurrency: int = 4, timeout: float = 10.0, retry_s: float = 30.0,
+                 slack_s: float = 30.0) -> None:
         self.url = check_url(url)
         self.timeout = float(timeout)
         self.retry_s = float(retry_s)
+        self.slack_s = float(slack_s)  # beyond the runs' own timeouts: the judge's queue, HTTP
         super().__init__(concurrency, "code-judge")
 
     @classmethod
@@ -88,6 +90,8 @@ class JudgeClient(ScoringPool):
                 return RewardResult(float(reply["value"]), str(reply["reason"]), str(reply.get("detail", "")))
             except urllib.error.HTTPError as exc:  # the judge answered: no retry will change it
                 return RewardResult(0.0, SANDBOX, f"judge {self.url}: HTTP {exc.code}: {_error_text(exc)}"[:300])
+            except TimeoutError:  # reached, but no verdict in time: sending it again would run it again
+                return RewardResult(0.0, TIMEOUT, f"judge {self.url}: no verdict in {self._wait_s(tests):.0f} s")
             except (OSError, ValueError, KeyError) as exc:  # unreachable, reset, or not a judge's reply
                 if time.monotonic() < deadline:
                     time.sleep(1.0)
@@ -97,9 +101,10 @@ class JudgeClient(ScoringPool):
                 return RewardResult(0.0, SANDBOX, f"judge {self.url} unreachable: {exc}"[:300])
 
     def _wait_s(self, tests: object) -> float:
-        # the judge runs up to one process per stdio case, each up to its own timeout
-        cases = len(tests) if isinstance(tests, list) else 1
-        return self.timeout * max(1, cases) + 30.0
+        # the judge runs up to one process per stdio case (a list, or APPS' "inputs"), each
+        # up to its own timeout; a JSON string of cases is counted as one
+        cases = tests if isinstance(tests, list) else tests.get("inputs") if isinstance(tests, dict) else None
+        return self.timeout * max(1, len(cases) if isinstance(cases, list) else 1) + self.slack_s
 
 
 def check_url(url: str) -> str:

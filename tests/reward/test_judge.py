@@ -191,6 +191,34 @@ def test_a_missing_judge_is_refused_before_the_run_and_scores_0_if_lost() -> Non
         client.close()
 
 
+def test_a_judge_that_never_answers_scores_timeout_once() -> None:
+    """Reached but silent past the runs' time: 0 with reason ``timeout``, and the request is
+    not sent again (a resend would run the program again)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])  # read nothing, answer nothing
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    client = JudgeClient(f"http://127.0.0.1:{listener.getsockname()[1]}", concurrency=1, timeout=0.5, slack_s=0.5)
+    try:
+        (r,) = client.score_batch([("print(1)\n", STDIO)])  # two cases: 2 x 0.5 + 0.5 s
+    finally:
+        client.close()
+        listener.close()
+    assert (r.value, r.reason) == (0.0, "timeout") and "no verdict in 2 s" in r.detail, r
+    assert len(accepted) == 1 and client.stats()["judge_unreachable"] == 0
+
+
 def test_a_server_that_is_not_a_judge_is_refused() -> None:
     class NotAJudge(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name

@@ -89,11 +89,17 @@ def test_generation_logprobs_equal_megatron(servers, models, temperature) -> Non
 async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
     """Start ``n`` long generations, then pause / load ``new_dir`` as ``version`` / resume."""
     async with _client([url]) as c:
-        before = await _decoded_tokens(c, url)  # the counter runs since the server started
         tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS[:n]]
-        for _ in range(600):  # until the batch has tokens (per request would need parsing /metrics)
+        # until every request is in the running batch (prefilled: its first token sampled
+        # under the old weights), then 8 more decode steps of that batch; counting tokens
+        # from before the requests started let a pause land before any (a CI run: cut 0)
+        start = None
+        for _ in range(600):
             await asyncio.sleep(0.05)
-            if await _decoded_tokens(c, url) - before >= n * 8:
+            running, decoded = await _batch_state(c, url)
+            if start is None and running >= n:
+                start = decoded
+            if start is not None and decoded - start >= n * 8:
                 break
         await c.pause(pause_mode)
         await c.update_weights_from_disk(new_dir, weight_version=version)
@@ -101,12 +107,17 @@ async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
         return await asyncio.gather(*tasks)
 
 
-async def _decoded_tokens(client, url):
-    """Generation tokens the server has produced so far (its Prometheus counter)."""
+async def _batch_state(client, url):
+    """(requests in the running batch, generation tokens produced since the server started):
+    vLLM's Prometheus gauge and counter (vllm/v1/metrics/loggers.py: vllm:num_requests_running,
+    vllm:generation_tokens), both recorded at each engine step."""
     async with client.session.get(url + "/metrics") as resp:
         text = await resp.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+
+    def total(name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    return total("vllm:num_requests_running"), total("vllm:generation_tokens_total")
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])

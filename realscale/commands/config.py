@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from realscale import config as cfgmod
+from realscale.commands import recipe_and_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # no recipe given, only overrides
-        recipe, overrides = None, [recipe, *overrides]
+    recipe, overrides = recipe_and_overrides(args)
     if args.action == "describe":
         for key, tname, default, help_ in cfgmod.describe():
             print(f"{key} ({tname}, default {default!r})\n    {help_}")

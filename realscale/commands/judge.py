@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from realscale.commands import recipe_and_overrides
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", default=None, help="YAML recipe whose reward.* settings the judge uses")
@@ -26,9 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # no recipe, only overrides
-        recipe, overrides = None, [recipe, *overrides]
+    recipe, overrides = recipe_and_overrides(args)
     cfg = load_config(recipe, overrides).reward
     if cfg.code_judge_url:
         raise UsageError(f"reward.code_judge_url={cfg.code_judge_url}: a judge scores itself; leave it empty here")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from realscale.commands import recipe_and_overrides
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", default=None, help="YAML recipe (default: built-in defaults)")
@@ -21,9 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from realscale.cli import UsageError
     from realscale.config import load_config
 
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:  # only overrides were given
-        recipe, overrides = None, [recipe, *overrides]
+    recipe, overrides = recipe_and_overrides(args)
     cfg = load_config(recipe, overrides)
     from realscale.errors import LaunchError
     from realscale.launcher import ranks_backend

@@ -13,6 +13,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+from realscale.commands import recipe_and_overrides
 from realscale.errors import LaunchError, UserError
 
 if TYPE_CHECKING:
@@ -142,9 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from realscale.launcher.supervisor import train
     from realscale.trainer import rank_main
 
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe:
-        recipe, overrides = None, [recipe, *overrides]
+    recipe, overrides = recipe_and_overrides(args)
     if recipe is None:
         recipe = DEFAULT_RECIPE if os.path.exists(DEFAULT_RECIPE) else None
     cfg = load_config(recipe, overrides)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
 
 
-class _Drainable:
+class _RoundExport:
     """Keeps count of the round's export, so that a round that failed (a server lost
     during the send) can still run it to its end on this rank (:meth:`finish_round`): its
     gathers are collectives the other trainer ranks run to the end in step, whether this
@@ -71,7 +71,7 @@ class _Drainable:
         raise NotImplementedError
 
 
-class MegatronWeightSource(_Drainable, WeightSource):
+class MegatronWeightSource(_RoundExport, WeightSource):
     """HF-named full tensors of a :class:`MegatronEngine`, re-iterable."""
 
     def __init__(self, engine: "MegatronEngine", bucket_bytes: int = 64 << 20) -> None:
@@ -155,7 +155,7 @@ def split_local(entry_kind: str, local: torch.Tensor, arch: "ModelArch") -> list
     raise ValueError(f"unknown conversion kind '{entry_kind}'")
 
 
-class MegatronShardSource(_Drainable, MeshedWeightSource):
+class MegatronShardSource(_RoundExport, MeshedWeightSource):
     """The trainer's weights as vLLM's m2n wants them (``m2n_source.py:35-52``): each rank
     yields its **local** shards under HF names, no gather over tensor or pipeline
     parallelism. The mesh is one pipeline stage's ranks, ``(dp, tp)`` (Megatron's rank

@@ -83,15 +83,15 @@ class JudgeClient(ScoringPool):
 
     def _judge(self, completion: str, tests: object) -> RewardResult:
         body = json.dumps({"completion": completion, "tests": tests}).encode()
-        deadline = time.monotonic() + self.retry_s
+        wait_s, deadline = self._wait_s(tests), time.monotonic() + self.retry_s
         while True:
             try:
-                reply = _post(f"{self.url}/score", body, self._wait_s(tests))
+                reply = _post(f"{self.url}/score", body, wait_s)
                 return RewardResult(float(reply["value"]), str(reply["reason"]), str(reply.get("detail", "")))
             except urllib.error.HTTPError as exc:  # the judge answered: no retry will change it
                 return RewardResult(0.0, SANDBOX, f"judge {self.url}: HTTP {exc.code}: {_error_text(exc)}"[:300])
             except TimeoutError:  # reached, but no verdict in time: sending it again would run it again
-                return RewardResult(0.0, TIMEOUT, f"judge {self.url}: no verdict in {self._wait_s(tests):.0f} s")
+                return RewardResult(0.0, TIMEOUT, f"judge {self.url}: no verdict in {wait_s:.0f} s")
             except (OSError, ValueError, KeyError) as exc:  # unreachable, reset, or not a judge's reply
                 if time.monotonic() < deadline:
                     time.sleep(1.0)

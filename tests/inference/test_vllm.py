@@ -227,7 +227,9 @@ def test_server_killed_mid_transfer_costs_a_resend(servers, models, tmp_path) ->
     second; rank 0 finds the server gone, retires it, rebuilds the group among the others
     and sends the round again (every trainer rank exports again, in step); the survivor
     ends holding the trainer's weights under the round's version (it held the base model
-    before: its log-probs differ from the trainer's by far more than TOL)."""
+    before: its log-probs differ from the trainer's by far more than TOL). Without closing
+    the survivor's open update session first, vLLM 0.32 refuses both the group's release
+    (vllm/v1/worker/gpu_worker.py:1500) and the next start (:1534): the resend did not complete."""
     from dataclasses import asdict
 
     from realscale.config import Config

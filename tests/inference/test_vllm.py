@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from importlib.metadata import entry_points
 
 import pytest
@@ -35,12 +36,19 @@ if not any(ep.value.startswith("realscale.") for ep in entry_points(group="vllm.
 
 TOL = 1e-4  # fp32 on both sides; a wrong convention or stale weights differ by > 1e-2
 PROMPTS = [[10, 11, 12], list(range(40, 70)), [99, 100, 101, 102, 103]]
+N_LONG = 1600  # tokens of each answer in the mid-generation test
+# fp32 attention over up to 1,600 positions drifts further between vLLM's kernels and
+# Megatron's than over 24 (one prompt's answers reached 1.0-1.8e-4, measured; the others
+# stay below 1e-5); stale KV or wrong weights still differ by > 1e-2
+TOL_LONG = 1e-3
 
 
 def _gen_config(**kw):
     from realscale.config import GenerateConfig
 
-    base = dict(backend="vllm", max_running_requests=8, context_length=512, vllm_kv_cache_mb=128)
+    # 2,048 tokens of context: room for the mid-generation test's long answers (the tiny
+    # model's KV is ~1 KiB a token, so 128 MiB of cache hold them many times over)
+    base = dict(backend="vllm", max_running_requests=8, context_length=2048, vllm_kv_cache_mb=128)
     return GenerateConfig(**{**base, **kw})
 
 
@@ -87,9 +95,14 @@ def test_generation_logprobs_equal_megatron(servers, models, temperature) -> Non
 
 
 async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
-    """Start ``n`` long generations, then pause / load ``new_dir`` as ``version`` / resume."""
+    """Start ``n`` long generations, then pause / load ``new_dir`` as ``version`` / resume.
+    Returns the results and whether a request ended before the pause had taken effect (it
+    finished before the pause call returned: then it may rightly hold no new-version token)."""
     async with _client([url]) as c:
         tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS[:n]]
+        ended: dict[int, float] = {}
+        for i, t in enumerate(tasks):
+            t.add_done_callback(lambda _t, i=i: ended.setdefault(i, time.monotonic()))
         # until every request is in the running batch (prefilled: its first token sampled
         # under the old weights), then 8 more decode steps of that batch; counting tokens
         # from before the requests started let a pause land before any (a CI run: cut 0)
@@ -99,12 +112,14 @@ async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
             running, decoded = await _batch_state(c, url)
             if start is None and running >= n:
                 start = decoded
-            if start is not None and decoded - start >= n * 8:
+            if start is not None and decoded - start >= n * 8 or len(ended) == n:
                 break
         await c.pause(pause_mode)
+        paused = time.monotonic()
         await c.update_weights_from_disk(new_dir, weight_version=version)
         await c.resume()
-        return await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks)
+        return results, any(at <= paused for at in ended.values())
 
 
 async def _batch_state(client, url):
@@ -132,23 +147,35 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
     (max |diff| 1.9e-6 measured), i.e. it behaves as retract there (README)."""
     base, new = models
     url = servers[0][0]
-    asyncio.run(_load([url], base, 0))
-    # the tiny model decodes ~200 tokens/s a request here: 400 leave the pause (which lands
-    # ~40 tokens in on a quiet machine) a margin for a loaded one (a CI run saw 160 end first)
-    params = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
-    results = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
+    # the tiny model decodes 200-500 tokens/s a request here, while under load one /metrics
+    # poll can take seconds (two CPU burners beside it: 3 s, and 400-token answers all ran
+    # out before the pause; so did one CI run's): 1,600 tokens leave the pause a wide window
+    params = {"max_new_tokens": N_LONG, "temperature": 1.0, "ignore_eos": True}
+    for attempt in range(3):
+        asyncio.run(_load([url], base, 0))
+        results, ended_early = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
+        if not ended_early:
+            break
+        # the harness missed the window (a loaded CI machine ran the answers out before the
+        # pause took effect): that says nothing about the engine, so try again
+        print(f"{pause_mode}: a request finished before the pause took effect (attempt {attempt + 1})")
+    else:
+        pytest.fail(f"{pause_mode}: in 3 attempts every pause came after a request had finished its {N_LONG} tokens")
     trained_new = cases.engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     trained_old = cases.engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
+    diffs = []
     for r, t_new, t_old in zip(results, trained_new, trained_old):
         v = r.output_versions
         cut = v.index(1)
-        assert 0 < cut < len(v) == 400 and v == [0] * cut + [1] * (len(v) - cut), v
-        assert cases.max_diff(r.output_logprobs[:cut], t_old[:cut]) < TOL  # old weights, old KV
+        assert 0 < cut < len(v) == N_LONG and v == [0] * cut + [1] * (len(v) - cut), v
+        assert cases.max_diff(r.output_logprobs[:cut], t_old[:cut]) < TOL_LONG  # old weights, old KV
         new_part = cases.max_diff(r.output_logprobs[cut:], t_new[cut:])
+        diffs.append((cases.max_diff(r.output_logprobs[:cut], t_old[:cut]), new_part))
         assert (r.num_interruptions >= 1) if pause_mode == "abort" else (r.num_interruptions == 0)
         if pause_mode != "in_place":
-            assert new_part < TOL
-    print(f"{pause_mode}: versions switch at tokens {[r.output_versions.index(1) for r in results]}")
+            assert new_part < TOL_LONG
+    print(f"{pause_mode}: versions switch at tokens {[r.output_versions.index(1) for r in results]}; "
+          f"max |diff| before / after the cut {[f'{a:.1e} / {b:.1e}' for a, b in diffs]}")
 
 
 def test_weight_update_through_gloo_engine(servers, models, tmp_path) -> None:

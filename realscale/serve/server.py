@@ -291,6 +291,8 @@ class EmbeddedServer:
         mode = P.optional(body, "mode", (str,), "pause_generation", "abort")
         if mode not in PAUSE_MODES:
             raise P.ProtocolError(f"pause_generation.mode: {mode!r} is not one of 'abort', 'retract', 'in_place'")
+        # a weight update begins: one line, so the log shows whether the server died holding half of one
+        print(f"realscale serve: pausing generation (mode {mode})", flush=True)
         await self._engine_call(lambda: self.engine.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 

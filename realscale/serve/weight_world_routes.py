@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 KEY = "weight_world"  # where a rank keeps its WorldMember (worker.extras)
 
 
+def _log(line: str) -> None:
+    print(f"realscale serve: {line}", flush=True)
+
+
 def check_world(world: "WorldSpec", rank_offset: int, ranks: int, spec: "ModelSpec", device_type: str) -> None:
     """Raise ValueError saying why a server of ``ranks`` ranks cannot join ``world``."""
 
@@ -134,10 +138,15 @@ class WeightWorldRoutes:
         body = P.check_object(await P.read_json(request), {"name", "weight_version"}, what)
         name = P.require(body, "name", (str,), what)
         version = P.optional(body, "weight_version", (str, int), what)
+        # one line each side of the receive: an operator (and the Slurm mid-update fault
+        # test) can tell from the server's log whether it died holding half an update
+        _log(f"receiving weights version {version} from world {name}")
         try:
             recv = await self._on_all_ranks("receive_rank", name, version=None if version is None else str(version))
         except (ValueError, KeyError, RuntimeError) as exc:
+            _log(f"weights version {version} not received: {exc}")
             return P.failure(f"{what}: {exc}")
+        _log(f"received weights version {version}: {sum(recv)} bytes")
         return web.json_response({"success": True, "recv_bytes": recv,
                                   "weight_version": self.server.engine.weight_version})
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from run_records import assert_each_prompt_trained_once, trained_steps
+from run_records import HashWatch, assert_each_prompt_trained_once, hf_hashes, trained_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc, pytest.mark.usefixtures("slurm"), pytest.mark.timeout(900)]  # sbatch jobs
 
@@ -187,3 +188,92 @@ def test_a_killed_server_step_is_started_again(tmp_path: Path) -> None:
     assert logged[-1]["rollout/server_restarts"] == 1 and logged[-1]["rollout/servers_alive"] == 2, logged[-1]
     time.sleep(1)
     assert not _leftovers(str(run)), _leftovers(str(run))
+
+
+def _server_pid(run: Path, index: int) -> int:
+    """The process of server ``index``'s step (``realscale rank --spec <run>/... --server
+    --index i``; not the ``srun`` that started it, whose command line names the same)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if (entry.name.isdigit() and "--server" in args and args[-2:] == ["--index", str(index)]
+                and any(str(run) in a for a in args) and not os.path.basename(args[0]).startswith("srun")):
+            found.append(int(entry.name))
+    assert len(found) == 1, f"server {index}'s process: {found}"
+    return found[0]
+
+
+def _stop_mid_update(log: Path, pid: int, tries: int, timeout: float = 240) -> int:
+    """SIGSTOP server ``pid`` as soon as its log says a weight update has begun (``pausing
+    generation``), then judge from the log, which it can no longer write: if it had already
+    received that update's weights the stop came too late — SIGCONT, wait for the next
+    update (at most ``tries``). Returns how many updates it let pass; the server is left
+    stopped in the middle of one."""
+    deadline = time.monotonic() + timeout
+    seen = len(log.read_bytes())
+    for late in range(tries):
+        while b"pausing generation" not in (text := log.read_bytes())[seen:]:
+            assert time.monotonic() < deadline, f"no weight update reached {log} in time"
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGSTOP)
+        begun = text.index(b"pausing generation", seen)
+        time.sleep(1.0)  # what it printed before the stop reaches the log (srun relays it)
+        after = log.read_bytes()[begun:]
+        if b"received weights version" not in after:
+            return late
+        seen = len(after) + begun
+        os.kill(pid, signal.SIGCONT)
+    pytest.fail(f"in {tries} weight updates the stop never landed before the server had its weights")
+
+
+def test_a_server_killed_mid_weight_update_is_started_again(tmp_path: Path) -> None:
+    """Issue 30, item 3 under Slurm, mid-update: one of two server steps is stopped after a
+    weight update has paused it and before it has received that update's weights (its log
+    says where it stands), then SIGKILLed. The trainer retires it in that update and
+    completes the update on the other (no step waits on it); the supervisor starts it
+    again as a new step, it rejoins at a later update, the job completes every step,
+    every prompt is trained once, no request is lost, and the restarted server holds the
+    trainer's final weights bit for bit."""
+    total = 10
+    run = tmp_path / "ppo_tiny"
+    proc, job = _submit(tmp_path, f"run.total_steps={total}", "generate.num_servers=2",
+                        "generate.control_timeout_s=5")
+    watch = HashWatch(lambda: _restarted_server(run))
+    try:
+        _wait_for_step(run, 2, proc, job)
+        victim = _server_pid(run, 1)
+        late = _stop_mid_update(run / "logs" / "server1.log", victim, tries=5)
+        os.kill(victim, signal.SIGKILL)
+        assert _finish(proc, job) == 0, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    finally:
+        seen = watch.close()
+    print(f"server 1 stopped mid-update after {late} update(s) had gone by too fast")
+    info = _job(job)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", info
+    assert "generation server 1" in log and "starting it again (1 of" in log, log[-3000:]
+    rank0 = (run / "logs" / "rank0.log").read_text()
+    assert re.search(r"server http://\S+ (went away during a weight transfer|did not answer|does not answer)"
+                     r".*retired", rank0), rank0[-3000:]
+    assert_each_prompt_trained_once(run, total)
+    logged = [m for m in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m]
+    assert all(m["rollout/lost_requests"] == 0 for m in logged)
+    assert logged[-1]["rollout/server_restarts"] == 1 and logged[-1]["rollout/servers_alive"] == 2, logged[-1]
+    assert str(total) in seen, sorted(seen)  # the restarted server took part in the last update
+    want = hf_hashes(run / "final")
+    assert seen[str(total)] == want, sorted(n for n in want if seen[str(total)].get(n) != want[n])
+    time.sleep(1)
+    assert not _leftovers(str(run)), _leftovers(str(run))
+
+
+def _restarted_server(run: Path) -> str | None:
+    """The URL of the first server the launcher started again (from the run's roster)."""
+    path = run / "launch" / "servers" / "roster.json"
+    if not path.exists():
+        return None
+    entries = json.loads(path.read_text())["servers"]
+    return next((e["url"] for e in entries if e["restarts"] > 0), None)

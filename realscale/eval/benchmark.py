@@ -36,11 +36,12 @@ from realscale.eval.metrics import aggregate, answer_key, pass_at_k
 from realscale.inference.client import InferenceClient
 from realscale.models.tiny import resolve_model_path
 from realscale.reward.math_extract import extract_answer
+from realscale.rollout.controller import client_kwargs, connections_per_server
 from realscale.rollout.rewards import call_reward, close_reward_pools, reward_fn_for
 from realscale.tasks.arith import task_from_config
 
 if TYPE_CHECKING:
-    from realscale.config import Config, GenerateConfig
+    from realscale.config import Config
     from realscale.data.dataset import PromptSample
     from realscale.data.tokens import Tokenizer
 
@@ -84,6 +85,8 @@ class BenchmarkResult:
     truncated: float  # fraction of answers that hit max_new_tokens
     reward_reasons: dict[str, int] = field(default_factory=dict)
     per_problem: str = ""
+    inflight_peak: int = 0  # most requests in flight at once, in all
+    inflight_server_peak: int = 0  # ... on one server
 
     def table(self) -> str:
         rows = [("model", self.model), ("data", f"{self.data} ({self.num_problems} problems)"),
@@ -92,7 +95,8 @@ class BenchmarkResult:
         rows += [(name, f"{100 * value:.1f}%") for name, value in self.metrics.items()]
         rows += [("answers cut at max tokens", f"{100 * self.truncated:.1f}%"),
                  ("tokens generated", f"{self.output_tokens} in {self.seconds:.0f} s "
-                                      f"({self.output_tokens / max(self.seconds, 1e-9):.0f} tok/s)")]
+                                      f"({self.output_tokens / max(self.seconds, 1e-9):.0f} tok/s)"),
+                 ("requests in flight (peak)", f"{self.inflight_peak} in all, {self.inflight_server_peak} on one server")]
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -124,22 +128,36 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
 # --------------------------------------------------------------------------- generation and scoring
 
 
+# requests in flight per server when the server sets its own limit (generate.max_running_requests
+# = 0: SGLang, vLLM): a decode batch of 256 and as many waiting in its queue, within a
+# process's default 1,024 open files for a few servers
+EVAL_PER_SERVER = 512
+
+
+def eval_concurrency(cfg: "Config", servers: int) -> int:
+    """Requests the evaluation keeps in flight: each server's share as the rollouts'
+    (``connections_per_server``: twice its decode slots), or ``EVAL_PER_SERVER`` when the
+    server sets its own limit."""
+    return (connections_per_server(cfg.generate) or EVAL_PER_SERVER) * servers
+
+
 async def _sample_all(urls: list[str], prompts: list[list[int]], settings: BenchmarkSettings,
-                      gen_cfg: GenerateConfig, concurrency: int) -> list[list[Any]]:
-    """``samples`` generations per prompt, at most ``concurrency`` requests in flight, under
-    the recipe's request time limits (``generate.request_timeout`` / ``timeout_slack``)."""
+                      cfg: "Config") -> tuple[list[list[Any]], tuple[int, int]]:
+    """``samples`` generations per prompt through the run's client (its backend's dialect,
+    per-server connection cap and request time limits), at most :func:`eval_concurrency`
+    in flight. Returns the results and the peak requests in flight (in all, on one server)."""
 
     params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
               "top_p": settings.top_p}
-    gate = asyncio.Semaphore(concurrency)
-    async with InferenceClient(urls, request_timeout=gen_cfg.request_timeout,
-                               timeout_slack=gen_cfg.timeout_slack) as client:
+    gate = asyncio.Semaphore(eval_concurrency(cfg, len(urls)))
+    async with InferenceClient(urls, **client_kwargs(cfg)) as client:
         async def one(ids: list[int]) -> Any:
             async with gate:
                 return await client.generate(ids, dict(params))
 
         tasks = [[asyncio.ensure_future(one(ids)) for _ in range(settings.samples)] for ids in prompts]
-        return [[await t for t in group] for group in tasks]
+        results = [[await t for t in group] for group in tasks]
+        return results, client.take_peaks()
 
 
 async def _score_all(cfg: "Config", problems: list["PromptSample"], texts: list[list[str]]) -> list[list[Any]]:
@@ -177,20 +195,19 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
     if not urls:
         raise ValueError("realscale eval: no generation server to evaluate with (give --servers, or let it start some)")
     start = time.perf_counter()
-    concurrency = max(1, cfg.generate.max_running_requests * len(urls))
-    results = asyncio.run(_sample_all(urls, prompts, settings, cfg.generate, concurrency))
+    results, peaks = asyncio.run(_sample_all(urls, prompts, settings, cfg))
     texts = [[tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in group] for group in results]
     try:
         verdicts = asyncio.run(_score_all(cfg, problems, texts))
     finally:
         close_reward_pools()
     seconds = time.perf_counter() - start
-    return _finish(model_dir, problems, results, texts, verdicts, settings, seconds, out_dir)
+    return _finish(model_dir, problems, results, texts, verdicts, settings, seconds, out_dir, peaks)
 
 
 def _finish(model_dir: str, problems: list["PromptSample"], results: list[list[Any]], texts: list[list[str]],
             verdicts: list[list[Any]], settings: BenchmarkSettings, seconds: float,
-            out_dir: str) -> BenchmarkResult:
+            out_dir: str, peaks: tuple[int, int]) -> BenchmarkResult:
     correct = [[v.value > 0.5 for v in group] for group in verdicts]
     keys = [[answer_key(_extracted(p, t)) for t in group] for p, group in zip(problems, texts)]
     with_answers = all(p.answer is not None for p in problems)
@@ -216,7 +233,7 @@ def _finish(model_dir: str, problems: list["PromptSample"], results: list[list[A
                              samples=settings.samples, temperature=settings.temperature, top_p=settings.top_p,
                              max_new_tokens=settings.max_new_tokens, metrics=metrics, seconds=seconds,
                              output_tokens=tokens, truncated=truncated / n_answers, reward_reasons=reasons,
-                             per_problem=per_problem)
+                             per_problem=per_problem, inflight_peak=peaks[0], inflight_server_peak=peaks[1])
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(asdict(result), fh, indent=1)
     return result

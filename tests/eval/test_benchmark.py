@@ -67,6 +67,10 @@ def test_benchmark_through_a_server_scores_known_answers(bench) -> None:
     assert [r["num_correct"] for r in records] == [2 if i % 2 == 0 else 0 for i in range(len(rows))]
     assert all(len(r["completions"]) == 2 and r["completions"][0] == r["completions"][1] for r in records)
     assert "avg@2" in proc.stdout and "maj@2" in proc.stdout and os.path.isfile(records and summary["per_problem"])
+    # every answer was asked for at once (the per-server share, 2 x max_running_requests, is
+    # larger than the benchmark), and the peak is logged
+    assert summary["inflight_server_peak"] == summary["inflight_peak"] == 2 * len(rows), summary
+    assert "requests in flight (peak)" in proc.stdout
 
 
 def test_eval_refuses_bad_settings(bench) -> None:

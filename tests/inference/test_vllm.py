@@ -178,6 +178,26 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
           f"max |diff| before / after the cut {[f'{a:.1e} / {b:.1e}' for a, b in diffs]}")
 
 
+def test_eval_speaks_vllms_protocol(servers, models, tmp_path) -> None:
+    """``realscale eval``'s sampling goes through the run's client, in the backend's
+    dialect (it spoke SGLang's to every server: vLLM answers ``POST /generate`` with 404),
+    at most twice each server's decode slots in flight."""
+    from realscale.config import Config
+    from realscale.eval.benchmark import BenchmarkSettings, run_benchmark
+
+    urls = [u for u, _, _ in servers]
+    asyncio.run(_load(urls, models[0], 0))
+    data = tmp_path / "bench.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a} + {b} =", "answer": "{a + b}"}}\n' for a in range(6) for b in range(4)))
+    cfg = Config()
+    cfg.generate = _gen_config()
+    cfg.model.tokenizer = models[0]
+    settings = BenchmarkSettings(data=str(data), samples=2, ks=(1,), temperature=1.0, top_p=1.0, max_new_tokens=8)
+    result = run_benchmark(cfg, models[0], settings, str(tmp_path / "ev"), urls)
+    assert result.num_problems == 24 and 0 < result.output_tokens <= 24 * 2 * 8, result
+    assert 1 < result.inflight_server_peak <= 2 * cfg.generate.max_running_requests, result
+
+
 def test_weight_update_through_gloo_engine(servers, models, tmp_path) -> None:
     """Two trainer ranks (Megatron tp=2) push new weights into both servers (1 + 2 workers:
     a weight world of 4) with vLLM's trainer engine over realscale's gloo engine, twice
@@ -366,3 +386,4 @@ def test_weight_update_shard_to_shard(m2n_server, models, tmp_path, tp, pp) -> N
     stats = out["stats"][-1]
     whole = stats["perf/weight_sync_bytes_lower_bound"]
     assert stats["perf/weight_sync_bytes"] == whole == 2 * sum(cases.hf_tensor_bytes(new).values())
+

@@ -12,6 +12,9 @@ nodes (``--ntasks-per-node=2``, servers on 0.0.0.0), submitted with ``sbatch``:
   weight world and the batch scatter cross nodes; every byte of each publish and each
   scatter arrives (the lower bounds), the server's log-probs match the trainer's, and the
   server's weights at the last version are the trainer's final weights;
+- (b2) tp=2 within each node and pp=2 across the two, into a server: the weight world
+  gathers both nodes' shards at the lower bound; after every update seen, the server holds
+  the trainer's snapshot of that step bit for bit;
 - (c) a node whose view of the run directory differs (its slurmd restarted in a mount
   namespace of its own with a tmpfs over the run's parent) is refused at start, in one line;
 - (d) a node lost mid-run (every process in rs-node2 killed): the job ends, is requeued
@@ -222,6 +225,37 @@ def test_data_parallel_ranks_across_nodes(script: str, tmp_path: Path) -> None:
     assert str(steps) in seen, f"the server was not seen at version {steps} (seen: {sorted(seen)})"
     want = hf_hashes(run / "final")
     assert seen[str(steps)] == want, sorted(n for n in want if seen[str(steps)].get(n) != want[n])
+
+
+def test_tp_within_and_pp_across_nodes_into_a_server(script: str, tmp_path: Path) -> None:
+    """Disaggregated, four trainer ranks: tp=2 within each node and pp=2 across the two
+    (stage 0 on rs-node1, stage 1 on rs-node2), and a generation server: every update the
+    weight world moves each rank's own shards, from both nodes, into the server at the
+    lower bound; the batch scatter crosses nodes; after every update the server was seen
+    at, its weights are the trainer's snapshot of that step, bit for bit."""
+    steps = 3
+    job = _submit(script, tmp_path, f"run.total_steps={steps}", "run.checkpoint_every=100", "run.export_every=1",
+                  "parallel.dp=1", "parallel.tp=2", "parallel.pp=2")
+    watch = HashWatch(lambda: _first_server(tmp_path / "ppo_tiny"))
+    try:
+        run = _finished(tmp_path, job, steps)
+    finally:
+        seen = watch.close()
+    logs = run / "logs"
+    for i in range(4):  # ranks 0, 1 (tp pair, stage 0) on rs-node1; 2, 3 (stage 1) on rs-node2
+        node, local = ("rs-node1", "rs-node2")[i // 2], i % 2
+        line = _first_line(logs / f"rank{i}.log", f"realscale rank {i}/4")
+        assert f"(local {local}/2) on {node} (advertised {NET}.{11 + i // 2}, gloo interface rs0)" in line, line
+    for m in _metrics(run):
+        assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"] > 0, m
+        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
+        assert abs(m["train/behav_kl"]) < 1e-4, m
+    versions = sorted(int(v) for v in seen if int(v) > 0)
+    print(f"server weights checked against the trainer's at versions {versions}")
+    assert steps in versions, f"the server was not seen at version {steps} (seen: {sorted(seen)})"
+    for v in versions:
+        want = hf_hashes(run / "final" if v == steps else run / "exports" / f"step_{v:06d}")
+        assert seen[str(v)] == want, (v, sorted(n for n in want if seen[str(v)].get(n) != want[n]))
 
 
 # ----------------------------------------------------------------------------- (c)

@@ -18,8 +18,9 @@ nodes (``--ntasks-per-node=2``, servers on 0.0.0.0), submitted with ``sbatch``:
 - (c) a node whose view of the run directory differs (its slurmd restarted in a mount
   namespace of its own with a tmpfs over the run's parent) is refused at start, in one line;
 - (d) a node lost mid-run (every process in rs-node2 killed): the job ends, is requeued
-  on the remaining node (``--nodes=1-2``), resumes from its checkpoint and logs every
-  step once, no prompt trained twice;
+  on the remaining node (fitted to it with ``scontrol update``, as an operator would:
+  Slurm does not shrink a job by itself), resumes from its checkpoint and logs every step
+  once, no prompt trained twice;
 - (e) colocated, tp within each node and pp across the two: four ranks generate
   themselves, the weights move in place across nodes at the lower bound, on-policy;
 - (f) Slurm's time-limit USR1 checkpoints both nodes' ranks, requeues and resumes; then

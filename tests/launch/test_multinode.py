@@ -202,26 +202,37 @@ def test_disaggregated_server_and_trainer_on_different_nodes(script: str, tmp_pa
 # ----------------------------------------------------------------------------- (b)
 
 
-def test_data_parallel_ranks_across_nodes(script: str, tmp_path: Path) -> None:
-    steps = 4
-    job = _submit(script, tmp_path, f"run.total_steps={steps}", "run.checkpoint_every=100")
-    watch = HashWatch(lambda: _first_server(tmp_path / "ppo_tiny"))
+def _run_watching_server(script: str, out: Path, steps: int, *overrides: str) -> tuple[Path, dict]:
+    """A finished run of ``steps`` steps, and what its server 0 held at each weight version
+    it was seen at (:class:`HashWatch`)."""
+    job = _submit(script, out, f"run.total_steps={steps}", "run.checkpoint_every=100", *overrides)
+    watch = HashWatch(lambda: _first_server(out / "ppo_tiny"))
     try:
-        run = _finished(tmp_path, job, steps)
+        run = _finished(out, job, steps)
     finally:
         seen = watch.close()
+    return run, seen
+
+
+def _assert_every_byte_moved_on_policy(run: Path) -> None:
+    """Every step, the weight world (trainer ranks on both nodes -> the server) and the
+    batch scatter (rank 0 -> the ranks of the other node) moved every byte they must, once,
+    and the server's log-probs were the trainer's (the same weights)."""
+    for m in _metrics(run):
+        assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"] > 0, m
+        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
+        assert abs(m["train/behav_kl"]) < 1e-4, m
+
+
+def test_data_parallel_ranks_across_nodes(script: str, tmp_path: Path) -> None:
+    steps = 4
+    run, seen = _run_watching_server(script, tmp_path, steps)
     logs = run / "logs"
     for i, node in enumerate(("rs-node1", "rs-node2")):  # one rank per node: dp across nodes
         line = _first_line(logs / f"rank{i}.log", f"realscale rank {i}/2")
         assert f"(local 0/1) on {node} (advertised {NET}.{11 + i}, gloo interface rs0)" in line, line
         assert f"master {NET}.11:" in line, line
-    for m in _metrics(run):
-        # the weight world (2 trainer ranks on two nodes -> the server) and the batch
-        # scatter (rank 0 -> rank 1 on the other node) move every byte they must, once
-        assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"] > 0, m
-        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
-        # the server's log-probs are the trainer's (the same weights)
-        assert abs(m["train/behav_kl"]) < 1e-4, m
+    _assert_every_byte_moved_on_policy(run)
     # the server's weights at the last version are the trainer's final weights
     assert str(steps) in seen, f"the server was not seen at version {steps} (seen: {sorted(seen)})"
     want = hf_hashes(run / "final")
@@ -235,22 +246,14 @@ def test_tp_within_and_pp_across_nodes_into_a_server(script: str, tmp_path: Path
     lower bound; the batch scatter crosses nodes; after every update the server was seen
     at, its weights are the trainer's snapshot of that step, bit for bit."""
     steps = 3
-    job = _submit(script, tmp_path, f"run.total_steps={steps}", "run.checkpoint_every=100", "run.export_every=1",
-                  "parallel.dp=1", "parallel.tp=2", "parallel.pp=2")
-    watch = HashWatch(lambda: _first_server(tmp_path / "ppo_tiny"))
-    try:
-        run = _finished(tmp_path, job, steps)
-    finally:
-        seen = watch.close()
+    run, seen = _run_watching_server(script, tmp_path, steps, "run.export_every=1", "parallel.dp=1", "parallel.tp=2",
+                                     "parallel.pp=2")
     logs = run / "logs"
     for i in range(4):  # ranks 0, 1 (tp pair, stage 0) on rs-node1; 2, 3 (stage 1) on rs-node2
         node, local = ("rs-node1", "rs-node2")[i // 2], i % 2
         line = _first_line(logs / f"rank{i}.log", f"realscale rank {i}/4")
         assert f"(local {local}/2) on {node} (advertised {NET}.{11 + i // 2}, gloo interface rs0)" in line, line
-    for m in _metrics(run):
-        assert m["perf/weight_sync_bytes"] == m["perf/weight_sync_bytes_lower_bound"] > 0, m
-        assert m["perf/batch_bytes"] == m["perf/batch_bytes_lower_bound"] > 0, m
-        assert abs(m["train/behav_kl"]) < 1e-4, m
+    _assert_every_byte_moved_on_policy(run)
     versions = sorted(int(v) for v in seen if int(v) > 0)
     print(f"server weights checked against the trainer's at versions {versions}")
     assert steps in versions, f"the server was not seen at version {steps} (seen: {sorted(seen)})"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 
 
@@ -254,3 +256,25 @@ def hf_tensor_bytes(model_dir: str) -> dict[str, int]:
 
     reader = SafetensorsReader(model_dir)
     return {n: (t := reader.get(n)).numel() * t.element_size() for n in reader.names()}
+
+
+def end_times(tasks: list[asyncio.Task]) -> dict[int, float]:
+    """When each of ``tasks`` finished (``time.monotonic()``), filled in as they do."""
+    ended: dict[int, float] = {}
+    for i, t in enumerate(tasks):
+        t.add_done_callback(lambda _t, i=i: ended.setdefault(i, time.monotonic()))
+    return ended
+
+
+def mid_generation_tries(attempt: Callable[[], tuple[list, bool]], what: str, tries: int = 3) -> list:
+    """The results of the first ``attempt()`` (generate, pause mid-way, update, resume:
+    ``(results, ended_early)``) in which no request had finished before the pause took
+    effect. Such a request may rightly hold no new-version token: the harness missed the
+    window (on a loaded machine one load poll can take seconds), which says nothing about
+    the engine, so it tries again; ``tries`` misses fail the test."""
+    for i in range(tries):
+        results, ended_early = attempt()
+        if not ended_early:
+            return results
+        print(f"{what}: a request finished before the pause took effect (attempt {i + 1})")
+    pytest.fail(f"{what}: in {tries} attempts every pause came after a request had finished")

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,20 +105,25 @@ async def _used_tokens(client, url):
 
 
 async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
-    """Start ``n`` long generations, then pause / load ``new_dir`` as ``version`` / resume."""
+    """Start ``n`` long generations, then pause / load ``new_dir`` as ``version`` / resume.
+    Returns the results and whether a request ended before the pause had taken effect (it
+    finished before the pause call returned: then it may rightly hold no new-version token)."""
     async with _client([url]) as c:
         tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS[:n]]
+        ended = cases.end_times(tasks)
         prompt_tokens = sum(len(p) for p in PROMPTS[:n])
         for _ in range(1200):  # until the batch has decoded some tokens
             await asyncio.sleep(0.05)
-            if await _used_tokens(c, url) >= prompt_tokens + n * 8:
+            if await _used_tokens(c, url) >= prompt_tokens + n * 8 or len(ended) == n:
                 break
         await c.pause(pause_mode)
+        paused = time.monotonic()
         # under a pause that keeps requests SGLang refuses the cache flush (400) although it
         # applied the weights (weight_updater.py:120): the publisher asks for none then
         await c.update_weights_from_disk(new_dir, weight_version=version, flush_cache=pause_mode == "abort")
         await c.resume()
-        return await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks)
+        return results, any(at <= paused for at in ended.values())
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
@@ -134,9 +140,13 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
     equal a fresh pass, and that is measured, not asserted)."""
     base, new = models
     url = servers[0][0]
-    asyncio.run(_load([url], base, 0))
     params = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
-    results = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
+
+    def attempt():
+        asyncio.run(_load([url], base, 0))
+        return asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
+
+    results = cases.mid_generation_tries(attempt, pause_mode)
     trained_new = cases.engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     trained_old = cases.engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     new_parts = []

@@ -100,9 +100,7 @@ async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):
     finished before the pause call returned: then it may rightly hold no new-version token)."""
     async with _client([url]) as c:
         tasks = [asyncio.create_task(c.generate(p, params)) for p in PROMPTS[:n]]
-        ended: dict[int, float] = {}
-        for i, t in enumerate(tasks):
-            t.add_done_callback(lambda _t, i=i: ended.setdefault(i, time.monotonic()))
+        ended = cases.end_times(tasks)
         # until every request is in the running batch (prefilled: its first token sampled
         # under the old weights), then 8 more decode steps of that batch; counting tokens
         # from before the requests started let a pause land before any (a CI run: cut 0)
@@ -151,16 +149,12 @@ def test_weight_update_mid_generation(servers, models, pause_mode) -> None:
     # poll can take seconds (two CPU burners beside it: 3 s, and 400-token answers all ran
     # out before the pause; so did one CI run's): 1,600 tokens leave the pause a wide window
     params = {"max_new_tokens": N_LONG, "temperature": 1.0, "ignore_eos": True}
-    for attempt in range(3):
+
+    def attempt():
         asyncio.run(_load([url], base, 0))
-        results, ended_early = asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
-        if not ended_early:
-            break
-        # the harness missed the window (a loaded CI machine ran the answers out before the
-        # pause took effect): that says nothing about the engine, so try again
-        print(f"{pause_mode}: a request finished before the pause took effect (attempt {attempt + 1})")
-    else:
-        pytest.fail(f"{pause_mode}: in 3 attempts every pause came after a request had finished its {N_LONG} tokens")
+        return asyncio.run(_update_mid_generation(url, pause_mode, new, 1, params, n=3))
+
+    results = cases.mid_generation_tries(attempt, pause_mode)
     trained_new = cases.engine_lps(new, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     trained_old = cases.engine_lps(base, PROMPTS[:3], [r.output_ids for r in results], 1.0)
     diffs = []

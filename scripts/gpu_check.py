@@ -798,15 +798,22 @@ def item_server(it: Item, ctx: Ctx) -> None:
                                       "ms_per_step": 1000 * secs / new_tokens}
             it.check(f"batch {bs}: every request decoded its tokens", n_out == bs * new_tokens, n_out)
         # pause latency while a batch decodes: retract three times (requests resume), then abort
-        long_new = 48 if ctx.quick else 1024
+        # long enough to outlast four pauses when this polling thread gets the CPU rarely (the
+        # CPU dry run beside the end-to-end run: 48 tokens ran out after two pauses once, and
+        # each later wait sat out its 60 s)
+        long_new = 400 if ctx.quick else 1024
         reqs = requests(16, long_new)
         futs = [eng.submit(r) for r in reqs]
         lat: dict[str, list[float]] = {"retract": [], "abort": []}
         for mode in ("retract", "retract", "retract", "abort"):
             deadline = time.monotonic() + 60
             base = sum(len(r.output_ids) for r in reqs)
-            while sum(len(r.output_ids) for r in reqs) < base + 16 and time.monotonic() < deadline:
+            while (sum(len(r.output_ids) for r in reqs) < base + 16 and time.monotonic() < deadline
+                   and not all(fu.done() for fu in futs)):
                 time.sleep(0.002)
+            if all(fu.done() for fu in futs):
+                it.check("the batch was still decoding at every pause", False, f"finished before the {mode} pause")
+                break
             secs, _ = _post_json(f"{url}/pause_generation", {"mode": mode})
             lat[mode].append(secs)
             paused_running = len(eng.running)
@@ -816,7 +823,8 @@ def item_server(it: Item, ctx: Ctx) -> None:
         outs = [fu.result(timeout=120) for fu in futs]
         reasons = sorted({(o.finish_reason or {}).get("type", "none") for o in outs})
         f["pause_latency_ms"] = {m: [round(1000 * s, 2) for s in v] for m, v in lat.items()}
-        f["pause_latency_ms_median_retract"] = 1000 * statistics.median(lat["retract"])
+        if lat["retract"]:
+            f["pause_latency_ms_median_retract"] = 1000 * statistics.median(lat["retract"])
         f["after_pause"] = {"finish_reasons": reasons, "retractions": sum(o.num_retractions for o in outs)}
         it.check("retracted requests came back", sum(o.num_retractions for o in outs) >= 16, f["after_pause"])
         it.check("the abort pause finished the batch", reasons == ["abort"] or "abort" in reasons, reasons)

@@ -379,12 +379,77 @@ def _patch_tensor_type_checks() -> None:
     f16.__init__ = _with_cuda_type_names(f16.__init__)  # type: ignore[method-assign]
 
 
+def _patch_moe_split_sizes() -> None:
+    """transformer/moe/token_dispatcher.py ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``
+    (lines 876-893 in 0.16.1) turns the all-to-all split sizes into numpy arrays with
+    moe/moe_utils.py ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only converts a
+    tensor that ``is_cuda``; on CPU the splits stay torch tensors, and
+    ``ProcessGroup.all_to_all_single`` accepts only int sequences (a numpy array passes,
+    a tensor raises ``TypeError``). We convert CPU tensors too, so the dispatcher hands
+    gloo what it hands NCCL on a GPU: numpy split sizes (imported by name into the
+    dispatcher, so both names are replaced)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        import torch
+
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _patch_uneven_sequence_parallel_collectives() -> None:
+    """tensor_parallel/mappings.py ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+    (lines 144-151 and 184-192 in 0.16.1) take per-rank split sizes when the MoE all-to-all
+    dispatcher gathers or scatters tokens over the tensor-parallel group under sequence
+    parallelism (token_dispatcher.py:696 and 778): the pieces differ in length, and they
+    call ``torch.distributed.all_gather`` / ``reduce_scatter`` with tensor lists of unequal
+    sizes. NCCL's process group takes such lists; gloo's refuses them ("invalid tensor
+    size"). On gloo we run the same reduction with equal pieces: the gather pads each piece
+    to the longest and trims, the reduce-scatter all-reduces the whole and keeps this
+    rank's rows (the same sums; more bytes, CPU only)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def scatter_uneven(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start: start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = scatter_uneven
+
+
 PATCHES: tuple[Callable[[], None], ...] = (
     _patch_torch_cuda,
     _patch_hardcoded_cuda_tensors,
     _patch_tensor_type_checks,
     _patch_rng_tracker,
     _patch_torch_norm,
+    _patch_moe_split_sizes,
+    _patch_uneven_sequence_parallel_collectives,
 )
 
 

@@ -59,7 +59,22 @@ def _fix_shared_adam_step_tensor() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
-FIXES = (_fix_torch_adam_step_on_reshardable_load, _fix_shared_adam_step_tensor)
+def _fix_router_gemm_without_te() -> None:
+    """transformer/moe/moe_utils.py imports ``te_general_gemm`` (with the other fused MoE
+    kernels) from Transformer Engine inside a ``try`` whose ``except ImportError`` binds
+    nothing, yet ``RouterGatingLinearFunction.forward``/``backward`` (lines 1192 and 1225 in
+    0.16.1) test ``te_general_gemm is not None``: without TE every MoE router forward
+    raises ``NameError``. We bind the missing name to None, the value the code expects
+    when TE is absent (it then takes its ``torch.mm`` branch). The fused permute/top-k
+    kernels are only reached behind config flags we leave off (moe_permute_fusion,
+    moe_router_fusion)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+FIXES = (_fix_torch_adam_step_on_reshardable_load, _fix_shared_adam_step_tensor, _fix_router_gemm_without_te)
 
 
 def apply() -> list[str]:

@@ -106,6 +106,7 @@ class ParallelConfig:
     pp: int = knob(1, "Pipeline-parallel degree.")
     dp: int = knob(1, "Data-parallel degree.")
     sequence_parallel: bool = knob(False, "Megatron sequence parallelism (needs tp > 1).")
+    ep: int = knob(1, "Expert-parallel degree of a mixture-of-experts policy (Megatron: carved out of dp, so it must divide parallel.dp; each expert is also split over tp). 1 for dense models.")
     plan: str = knob("", "Plan YAML from `realscale plan --out`; when set, its actor_train role's dp/tp/pp replace the three above.")
     backend: str = knob("auto", "torch.distributed backend: auto (nccl on CUDA, else gloo), nccl or gloo.")
     mode: str = knob("disaggregated", "disaggregated: generation servers on devices of their own, asynchronous under rollout.max_staleness (AReaL); colocated: the trainer ranks themselves generate between updates, in the layout generate.num_servers x generate.tp (which must cover the trainer's ranks), synchronously (max_staleness 0; ReaL). A plan's mode sets it.")
@@ -113,8 +114,11 @@ class ParallelConfig:
     collective_timeout_s: float = knob(0.0, "Seconds a trainer rank may wait inside one collective before the process group (NCCL's watchdog) ends the run; also megatron's groups. 0: auto, 2400 (a publish's pause, weight load and resume at the 600 s control limit each, plus NCCL's 10 minutes); never NCCL's 10-minute default. Waiting for rollouts is not inside such a collective (a gloo side group, no limit but a day).")
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             _positive("parallel", name, getattr(self, name))
+        if self.dp % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp} (experts are spread over "
+                              "data-parallel ranks)")
         if self.collective_timeout_s < 0:
             raise ConfigError(f"parallel.collective_timeout_s: 0 (auto) or seconds > 0, got {self.collective_timeout_s!r}")
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
@@ -156,9 +160,12 @@ class TrainConfig:
     mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
     logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
     recompute: str = knob("auto", "Activation recomputation (Megatron): none, selective (core attention), full (every layer's activations recomputed in backward from its saved input, one layer at a time) or auto (what parallel.plan's actor_train says, else none).")
+    moe_aux_loss_coef: float = knob(-1.0, "Mixture-of-experts policy: weight of the router's load-balancing loss (Megatron's aux_loss, added to the policy loss; 0 turns it off). -1: the model's own router_aux_loss_coef from its config.json.")
 
     def __post_init__(self) -> None:
         _one_of("train", "recompute", self.recompute, ("auto", "none", "selective", "full"))
+        if self.moe_aux_loss_coef < 0 and self.moe_aux_loss_coef != -1:
+            raise ConfigError(f"train.moe_aux_loss_coef: -1 (the model's own) or >= 0, got {self.moe_aux_loss_coef!r}")
         _positive("train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         _positive("train", "mini_batches", self.mini_batches)
         _positive("train", "logprob_chunk_tokens", self.logprob_chunk_tokens)

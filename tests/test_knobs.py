@@ -53,6 +53,7 @@ CONSUMERS: dict[str, str] = {
     "parallel.pp": "realscale.train.engine:EngineConfig.from_config",
     "parallel.dp": "realscale.planner.apply:apply_plan",
     "parallel.sequence_parallel": "realscale.train.engine:EngineConfig.from_config",
+    "parallel.ep": "realscale.train.engine:EngineConfig.from_config",
     "parallel.plan": "realscale.planner.apply:apply_plan",
     "parallel.backend": "realscale.trainer:Trainer.__init__",
     "parallel.mode": "realscale.trainer:Trainer.__init__",
@@ -74,6 +75,7 @@ CONSUMERS: dict[str, str] = {
     "train.mini_batches": "realscale.trainer:Trainer._next_batch",
     "train.logprob_chunk_tokens": "realscale.train.engine:EngineConfig.from_config",
     "train.recompute": "realscale.train.engine:resolve_recompute",
+    "train.moe_aux_loss_coef": "realscale.train.engine:EngineConfig.from_config",
     # algo
     "algo.adv_estimator": "realscale.train.actor:group_advantages",
     "algo.group_std_norm": "realscale.train.actor:group_advantages",

@@ -18,6 +18,12 @@ Megatron layouts handled here (megatron-core 0.16 GPT, local or TE spec):
 - embedding / output rows are padded to the padded vocabulary and split over TP.
 - column-parallel (QKV, fc1) split dim 0; row-parallel (proj, fc2) split dim 1; norms are
   replicated.
+- mixture of experts (megatron's ``SequentialMLP``): ``mlp.router.weight`` is HF's
+  ``mlp.gate.weight`` (replicated); expert ``e``'s ``linear_fc1`` / ``linear_fc2`` are laid
+  out like a dense MLP's, split over the expert tp group. Each expert-parallel rank holds
+  its own experts under *local* indices (``local_experts.0`` ...); :func:`local_params`
+  and the names used here carry the *global* index, and export gathers the experts over
+  the expert-parallel group.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Rule:
 
 def _rules() -> list[Rule]:
     L = r"decoder\.layers\.(\d+)\."
+    E = r"mlp\.experts\.local_experts\.\d+\."
     p = "model.layers.{i}."
     table = [
         (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -70,6 +77,10 @@ def _rules() -> list[Rule]:
         (L + r"self_attention\.linear_proj\.weight", (p + "self_attn.o_proj.weight",), "row"),
         (L + r"mlp\.linear_fc1\.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
         (L + r"mlp\.linear_fc2\.weight", (p + "mlp.down_proj.weight",), "row"),
+        (L + r"mlp\.router\.weight", (p + "mlp.gate.weight",), "replicated"),
+        (L + E + r"linear_fc1\.weight", (p + "mlp.experts.{e}.gate_proj.weight", p + "mlp.experts.{e}.up_proj.weight"),
+         "fc1"),
+        (L + E + r"linear_fc2\.weight", (p + "mlp.experts.{e}.down_proj.weight",), "row"),
     ]
     return [Rule(re.compile(pat + "$"), hf, kind) for pat, hf, kind in table]
 
@@ -88,8 +99,17 @@ def match(name: str) -> tuple[Rule, int | None]:
     raise KeyError(f"no HF mapping for megatron parameter '{name}'")
 
 
-def _hf_names(rule: Rule, layer: int | None, arch: ModelArch) -> tuple[str, ...]:
-    names = tuple(n.format(i=layer) for n in rule.hf)
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index in a parameter name (``...local_experts.<e>...``), or None."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _hf_names(rule: Rule, layer: int | None, arch: ModelArch, expert: int | None = None) -> tuple[str, ...]:
+    names = tuple(n.format(i=layer, e=expert) for n in rule.hf)
     if rule.kind == "vocab" and names == ("lm_head.weight",) and arch.tie_embeddings:
         return ("model.embed_tokens.weight",)
     return names
@@ -99,7 +119,7 @@ def hf_sources(name: str, arch: ModelArch) -> tuple[str, tuple[str, ...]]:
     """``(kind, HF names)`` of megatron parameter ``name`` (global layer indices): what
     :func:`hf_to_megatron` needs to build it. A tied output layer names the embedding."""
     rule, layer = match(name)
-    return rule.kind, _hf_names(rule, layer, arch)
+    return rule.kind, _hf_names(rule, layer, arch, expert_of(name))
 
 
 # --------------------------------------------------------------------------- pure converters
@@ -206,18 +226,29 @@ def _global_layer(model: torch.nn.Module, local: int) -> int:
     return int(model.decoder.layers[local].layer_number) - 1
 
 
+def _global_expert(model: torch.nn.Module, local_layer: int, local_expert: int) -> int:
+    """The global index of expert ``local_expert`` of this rank (megatron's MoELayer)."""
+    return int(model.decoder.layers[local_layer].mlp.local_expert_indices[local_expert])
+
+
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, model_dir: str, arch: ModelArch, tp_rank: int, tp: int) -> int:
+def load_hf_weights(model: torch.nn.Module, model_dir: str, arch: ModelArch, tp_rank: int, tp: int,
+                    etp_rank: int | None = None, etp: int | None = None) -> int:
     """Copy this rank's part of every HF tensor into ``model`` (one stage's GPTModel).
-    Returns the number of parameter elements loaded; every parameter must be covered."""
+    Returns the number of parameter elements loaded; every parameter must be covered.
+    Experts are split over the expert tp group (``etp_rank`` of ``etp``; default the tp's)."""
     reader = SafetensorsReader(model_dir)
     padded = model.vocab_size
     loaded = 0
     for name, param in model.named_parameters():
         rule, local = match(name)
         layer = None if local is None else _global_layer(model, local)
-        hf = [reader.get(n) for n in _hf_names(rule, layer, arch)]
-        value = hf_to_megatron(rule.kind, hf, arch, tp_rank, tp, padded)
+        expert = expert_of(name)
+        rank, size = (tp_rank, tp) if expert is None or etp is None else (etp_rank, etp)
+        if expert is not None:
+            expert = _global_expert(model, local, expert)
+        hf = [reader.get(n) for n in _hf_names(rule, layer, arch, expert)]
+        value = hf_to_megatron(rule.kind, hf, arch, rank, size, padded)
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"{name}: converted shape {tuple(value.shape)} != parameter shape {tuple(param.shape)}")
         param.copy_(value)
@@ -255,6 +286,10 @@ class ExportGroups:
     pp_ranks: tuple[int, ...] = (0,)  # global rank of each pipeline stage (same tp/dp rank)
     pp_rank: int = 0
     is_sender_column: bool = True  # tp_rank == 0 and dp_rank == 0: the ranks that move data to rank 0
+    # mixture of experts: experts are gathered over the expert tp group, then each is
+    # broadcast from the expert-parallel rank that holds it to the rest of its group
+    etp_group: Any = None
+    ep_group: Any = None
 
 
 def _param_plan(arch: ModelArch, pp: int) -> list[tuple[str, int]]:
@@ -266,8 +301,14 @@ def _param_plan(arch: ModelArch, pp: int) -> list[tuple[str, int]]:
         layer_params.append("self_attention.linear_qkv.bias")
     if arch.family.qk_norm:
         layer_params += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    layer_params += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
-                     "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    layer_params += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    if arch.moe is None:
+        layer_params += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    else:
+        layer_params.append("mlp.router.weight")
+        for e in range(arch.moe.num_experts):
+            layer_params += [f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                             f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
     for layer in range(arch.num_layers):
         plan += [(f"decoder.layers.{layer}.{p}", layer // per_stage) for p in layer_params]
     plan.append(("decoder.final_layernorm.weight", pp - 1))
@@ -277,17 +318,38 @@ def _param_plan(arch: ModelArch, pp: int) -> list[tuple[str, int]]:
 
 
 def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's parameters renamed to global layer indices and local-spec names (the
-    names of :mod:`realscale.parallel.model_spec`)."""
+    """This stage's parameters renamed to global layer (and expert) indices and local-spec
+    names (the names of :mod:`realscale.parallel.model_spec`)."""
     out = {}
     for name, param in model.named_parameters():
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             suffix = m.group(2).replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
             suffix = suffix.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+            expert = expert_of(name)
+            if expert is not None:
+                glob = _global_expert(model, int(m.group(1)), expert)
+                suffix = _EXPERT.sub(f".local_experts.{glob}.", "." + suffix, count=1)[1:]
             name = f"decoder.layers.{_global_layer(model, int(m.group(1)))}.{suffix}"
         out[name] = param
     return out
+
+
+def _expert_broadcast(full: torch.Tensor | None, name: str, arch: ModelArch, model: torch.nn.Module,
+                      dtype: torch.dtype, ep_group: Any) -> torch.Tensor:
+    """Expert ``name``'s full tensor on every rank of the expert-parallel group, sent by
+    the rank that holds it (``full`` there, None elsewhere)."""
+    ep = dist.get_world_size(ep_group)
+    assert arch.moe is not None
+    owner = expert_of(name) // (arch.moe.num_experts // ep)
+    backend = group_backend(ep_group)
+    if full is None:
+        shape = _full_shape(name, arch, model)
+        full = comm_empty(math.prod(shape), dtype, backend).view(shape)
+    else:
+        full = to_comm(full, backend)
+    dist.broadcast(full, src=dist.get_process_group_ranks(ep_group)[owner], group=ep_group)
+    return full
 
 
 def _tp_gather(kind: str, shard: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -316,8 +378,12 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
         full: torch.Tensor | None = None
         if stage_local and stage != groups.pp_rank:
             continue
-        if stage == groups.pp_rank:
-            full = _tp_gather(rule.kind, local[name].detach(), groups.tp_group)
+        expert = expert_of(name) is not None
+        if stage == groups.pp_rank and name in local:
+            tp_group = groups.etp_group if expert else groups.tp_group
+            full = _tp_gather(rule.kind, local[name].detach(), tp_group)
+        if stage == groups.pp_rank and expert and groups.ep_group is not None:
+            full = _expert_broadcast(full, name, arch, model, _dtype(local), groups.ep_group)
         if pp > 1 and groups.is_sender_column and not stage_local:
             # the stage that owns the tensor sends it down the pipeline column to stage 0;
             # both ends' tensors on the device the group's backend needs (NCCL: this GPU)
@@ -332,7 +398,7 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, groups: ExportGroup
         if not groups.is_sender_column or (groups.pp_rank != 0 and not stage_local):
             continue
         assert full is not None
-        hf_names = _hf_names(rule, layer, arch)
+        hf_names = _hf_names(rule, layer, arch, expert_of(name))
         if rule.kind == "vocab" and arch.tie_embeddings:
             if tied_done:
                 continue
@@ -361,10 +427,15 @@ def _full_shape(name: str, arch: ModelArch, model: torch.nn.Module) -> tuple[int
         return (arch.qkv_rows,)
     if name.endswith("linear_proj.weight"):
         return (h, arch.num_heads * arch.head_dim)
+    ffn = arch.ffn_hidden_size
+    if arch.moe is not None:
+        if name.endswith("router.weight"):
+            return (arch.moe.num_experts, h)
+        ffn = arch.moe.ffn_hidden_size
     if name.endswith("linear_fc1.weight"):
-        return (2 * arch.ffn_hidden_size, h)
+        return (2 * ffn, h)
     if name.endswith("linear_fc2.weight"):
-        return (h, arch.ffn_hidden_size)
+        return (h, ffn)
     raise KeyError(f"no shape rule for '{name}'")
 
 

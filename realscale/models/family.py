@@ -2,7 +2,7 @@
 
 A family is one small file (``qwen2.py``, ``qwen3.py``, ``llama.py``) that registers a
 :class:`Family`: which HF ``model_type`` values it serves and what differs from the
-common decoder (QKV bias, q/k-norm). Everything the families share — GQA, RoPE (theta
+common decoder (QKV bias, q/k-norm, mixture-of-experts MLPs). Everything the families share — GQA, RoPE (theta
 and scaling), RMSNorm, SwiGLU, tied or untied embeddings, vocabulary padding for tensor
 parallelism — lives here.
 """
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from realscale.models import llama, qwen2, qwen3  # noqa: F401 - each registers its family
+from realscale.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401 - each registers its family
 from realscale.models.registry import _REGISTRY, Family, register  # noqa: F401 - Family and register are the families' API
 
 
@@ -24,6 +24,23 @@ def family_of(model_type: str) -> Family:
         known = ", ".join(sorted(_REGISTRY))
         raise ValueError(f"model_type '{model_type}' is not supported; known families: {known}")
     return _REGISTRY[model_type]
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """The experts of a mixture-of-experts decoder (every layer sparse).
+
+    Routing as Qwen3-MoE's (transformers ``Qwen3MoeSparseMoeBlock``): softmax over all
+    experts' router logits, the ``topk`` largest, renormalised to sum 1 when
+    ``norm_topk_prob``. Megatron's router gives the same weights with
+    ``moe_router_pre_softmax=False`` (softmax over the top-k logits) when renormalised, and
+    ``True`` (softmax first, no renormalisation) otherwise."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # each expert's intermediate size
+    norm_topk_prob: bool
+    aux_loss_coef: float  # the model's own load-balancing coefficient (router_aux_loss_coef)
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class ModelArch:
     rope_scaling: dict[str, Any] | None
     tie_embeddings: bool
     max_position_embeddings: int
+    moe: MoEArch | None = None
 
     @property
     def qkv_rows(self) -> int:
@@ -71,6 +89,24 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def moe_from_hf(hf: dict[str, Any]) -> MoEArch:
+    """The experts of a Qwen3-MoE config; refuse what is not one MoE block per layer."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes num_local_experts
+    if not experts:
+        raise ValueError("a MoE config needs num_experts (or num_local_experts)")
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError("dense layers among the MoE layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                         "are not supported: every layer must be a MoE layer")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not supported")
+    topk = int(hf["num_experts_per_tok"])
+    if not 1 <= topk <= int(experts):
+        raise ValueError(f"num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
+    return MoEArch(num_experts=int(experts), topk=topk, ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
 def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
     """Read an HF config dict; refuse what megatron's GPT model cannot represent."""
     family = family_of(str(hf.get("model_type", "")))
@@ -91,6 +127,7 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        moe=moe_from_hf(hf) if family.moe else None,
     )
 
 

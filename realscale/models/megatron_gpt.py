@@ -81,9 +81,37 @@ def recompute_kwargs(recompute: str) -> dict[str, Any]:
     return {}
 
 
+def moe_kwargs(arch: ModelArch, ep: int, aux_loss_coef: float | None) -> dict[str, Any]:
+    """megatron's MoE fields for ``arch`` (none for a dense model).
+
+    Experts are megatron's ``SequentialMLP`` (one SwiGLU per local expert, no grouped GEMM:
+    that needs a CUDA kernel), tokens travel between expert-parallel ranks by all-to-all
+    (gloo has it, as NCCL does), and the expert tensor-parallel degree is megatron's
+    default, the attention's tp. ``aux_loss_coef`` (None: the model's own
+    ``router_aux_loss_coef``) weighs megatron's load-balancing loss; megatron's schedule
+    scales its gradient by 1/micro-batches and DDP averages it over data-parallel ranks,
+    so it is the mean over micro-batches and ranks of each micro-batch's auxiliary loss."""
+    if arch.moe is None:
+        if ep != 1:
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model; {arch.family.name} is dense")
+        return {}
+    moe = arch.moe
+    if moe.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide the {moe.num_experts} experts")
+    coef = moe.aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    if coef < 0:
+        raise ValueError(f"the MoE auxiliary loss coefficient must be >= 0, got {coef}")
+    return dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+                moe_router_score_function="softmax", moe_router_pre_softmax=not moe.norm_topk_prob,
+                moe_router_load_balancing_type="aux_loss" if coef > 0 else "none", moe_aux_loss_coeff=coef,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=ep)
+
+
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                       dtype: str = "float32", cpu_init: bool = True, recompute: str = "none") -> TransformerConfig:
-    """megatron ``TransformerConfig`` for this architecture and layout."""
+                       dtype: str = "float32", cpu_init: bool = True, recompute: str = "none", ep: int = 1,
+                       moe_aux_loss_coef: float | None = None) -> TransformerConfig:
+    """megatron ``TransformerConfig`` for this architecture and layout (``ep``: expert
+    parallelism, a mixture-of-experts model only)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -92,6 +120,11 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         raise ValueError(f"tp={tp} must divide both num_heads ({arch.num_heads}) and num_kv_heads ({arch.num_kv_heads})")
     if arch.num_layers % pp:
         raise ValueError(f"pp={pp} must divide num_layers ({arch.num_layers})")
+    if arch.moe is not None and tp > 1 and not sequence_parallel:
+        # megatron's MoELayer.forward refuses to train with tp > 1 and no sequence
+        # parallelism (transformer/moe/moe_layer.py:380 in 0.16.1): say so before any rank starts
+        raise ValueError(f"a mixture-of-experts model with tp={tp} needs sequence parallelism "
+                         "(parallel.sequence_parallel=true), as megatron's MoE layer requires")
     torch_dtype = getattr(torch, DTYPES[dtype])
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
@@ -104,6 +137,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype, bf16=dtype == "bfloat16", fp16=dtype == "float16",
         use_cpu_initialization=cpu_init, perform_initialization=True, **recompute_kwargs(recompute),
+        **moe_kwargs(arch, ep, moe_aux_loss_coef),
     )
 
 
@@ -112,11 +146,14 @@ def layer_spec(arch: ModelArch, use_te: bool | None = None) -> Any:
 
     if use_te is None:
         use_te = te_available()
+    experts = arch.moe.num_experts if arch.moe else None
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.family.qk_norm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                                qk_layernorm=arch.family.qk_norm)
     from realscale.models.attention import PackedSDPAttention
 
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                          qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
     # packed sequences as THD, like the TE spec, instead of a dense [T, T] mask (models/attention.py)
     spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
     return spec

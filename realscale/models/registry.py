@@ -1,5 +1,5 @@
 """The registry of model families: each family module (``qwen2.py``, ``qwen3.py``,
-``llama.py``) registers its :class:`Family` here; :mod:`realscale.models.family` looks them up."""
+``qwen3_moe.py``, ``llama.py``) registers its :class:`Family` here; :mod:`realscale.models.family` looks them up."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class Family:
     model_types: tuple[str, ...]
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: bool = False  # every layer's MLP is a mixture of experts (family.MoEArch holds the numbers)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,7 +1,7 @@
 """Tiny models built locally: no model hub is needed to run, test or benchmark realscale.
 
 :func:`build_tiny_model` writes a complete Hugging Face model directory: ``config.json``
-(a real ``Qwen2Config`` / ``Qwen3Config`` / ``LlamaConfig``), ``model.safetensors`` with
+(a real ``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig`` / ``LlamaConfig``), ``model.safetensors`` with
 seeded random weights, and a tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json``, byte-level: one token per ASCII character) that
 ``AutoTokenizer.from_pretrained`` loads offline.
@@ -14,7 +14,7 @@ the embedding with std 1: with Qwen's tied output layer the logit of the last in
 token then dwarfed all others, and the model repeated it with log-prob 0.)
 
 :func:`resolve_model_path` turns a built-in name (``tiny-qwen2``, ``tiny-qwen3``,
-``tiny-llama``, ``small-qwen2``) into such a directory, built once into a cache
+``tiny-qwen3-moe``, ``tiny-llama``, ``small-qwen2``) into such a directory, built once into a cache
 (``$REALSCALE_CACHE/models/<name>.v<format>``, default ``~/.cache/realscale/models/...``;
 the build format is in the name so that checkouts of different versions sharing a cache
 never replace each other's copy); an existing directory is returned unchanged.
@@ -32,7 +32,10 @@ from realscale.errors import UserError
 from realscale.models.cache import build_atomically, cache_root
 from realscale.models.gguf import smollm2_dir
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+# The tiny mixture of experts: 4 experts, 2 per token, each a quarter of a dense MLP's width.
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001}
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<unk>")
@@ -51,6 +54,7 @@ CHAT_TEMPLATE = (
 BUILTIN: dict[str, dict[str, Any]] = {
     "tiny-qwen2": {"family": "qwen2"},
     "tiny-qwen3": {"family": "qwen3"},
+    "tiny-qwen3-moe": {"family": "qwen3_moe"},
     "tiny-llama": {"family": "llama"},
     "small-qwen2": {"family": "qwen2", "hidden_size": 256, "num_layers": 6, "num_heads": 8,
                     "num_kv_heads": 2, "intermediate_size": 768},
@@ -117,7 +121,7 @@ def _round_up(n: int, multiple: int) -> int:
 def make_config(family: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, intermediate_size: int, tie_embeddings: bool, eos_id: int) -> Any:
     """The transformers config object of a tiny model of ``family``."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
@@ -132,9 +136,11 @@ def make_config(family: str, vocab_size: int, hidden_size: int, num_layers: int,
         tie_word_embeddings=tie_embeddings, eos_token_id=eos_id, pad_token_id=eos_id,
         bos_token_id=eos_id, rms_norm_eps=1e-6,
     )
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
-    if family == "qwen3":
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "llama": LlamaConfig}[family]
+    if family in ("qwen3", "qwen3_moe"):
         common["head_dim"] = hidden_size // num_heads
+    if family == "qwen3_moe":
+        common.update(TINY_MOE)
     return cls(**common)
 
 

@@ -21,6 +21,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism (mixture-of-experts models): carved out of dp, as megatron does
 
 
 def init_megatron(layout: Layout, seed: int = 1234) -> None:
@@ -38,6 +39,9 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
     world = dist.get_world_size()
     if world % (layout.tp * layout.pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {layout.tp}*{layout.pp}")
+    if (world // (layout.tp * layout.pp)) % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide the data-parallel size {world // (layout.tp * layout.pp)} "
+                         f"(world {world} / tp {layout.tp} / pp {layout.pp}): experts are spread over dp ranks")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     # megatron's groups time out with the default group (init_distributed), not after
@@ -47,6 +51,7 @@ def init_megatron(layout: Layout, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
         **extra,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -75,6 +80,13 @@ class RankInfo:
     dp_group: object
     pp_ranks: tuple[int, ...]
     sequence_parallel: bool
+    # expert parallelism (a mixture-of-experts model): this rank holds experts
+    # [ep_rank * E/ep, (ep_rank + 1) * E/ep), each split over the expert tp group
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
+    etp_rank: int = 0
+    etp_group: object = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -112,4 +124,7 @@ def rank_info(sequence_parallel: bool = False) -> RankInfo:
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=pp_group,
         dp_group=ps.get_data_parallel_group(), pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
         sequence_parallel=sequence_parallel,
+        ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
     )

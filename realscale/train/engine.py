@@ -90,6 +90,8 @@ class EngineConfig:
     distributed_optimizer: bool = True
     use_te: bool | None = None
     recompute: str = "none"  # none | selective | full (realscale.models.megatron_gpt.recompute_kwargs)
+    ep: int = 1  # expert parallelism (a mixture-of-experts model)
+    moe_aux_loss_coef: float | None = None  # None: the model's own router_aux_loss_coef
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
@@ -102,7 +104,9 @@ class EngineConfig:
                    adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
                    warmup_steps=o.warmup_steps, schedule=o.schedule,
                    total_steps=max(1, cfg.run.total_steps * cfg.train.mini_batches),
-                   distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg))
+                   distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg),
+                   ep=cfg.parallel.ep,
+                   moe_aux_loss_coef=None if cfg.train.moe_aux_loss_coef < 0 else cfg.train.moe_aux_loss_coef)
 
 
 def resolve_recompute(cfg: Config) -> str:
@@ -122,6 +126,25 @@ def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
     from realscale.data.packing import pack_micro_batches
 
     return [idx for idx in pack_micro_batches(batch.seqlens().tolist(), max_tokens, dp=1, multiple_of=1)[0] if idx]
+
+
+def split_to_count(plan: list[list[int]], seqlens: list[int], count: int) -> list[list[int]]:
+    """``plan`` with its micro-batches split (the one with most tokens first, in two halves
+    of about equal tokens) until it has ``count`` of them or every one holds one sequence."""
+    plan = [list(idx) for idx in plan]
+    while len(plan) < count:
+        tokens = [sum(seqlens[i] for i in idx) if len(idx) > 1 else -1 for idx in plan]
+        j = max(range(len(plan)), key=tokens.__getitem__)
+        if tokens[j] < 0:
+            break
+        idx, acc, cut = plan[j], 0, 1
+        for k in range(1, len(idx)):
+            acc += seqlens[idx[k - 1]]
+            cut = k
+            if 2 * acc >= tokens[j]:
+                break
+        plan[j:j + 1] = [idx[:cut], idx[cut:]]
+    return plan
 
 
 def check_loaded(result: Any, ckpt_dir: str) -> None:
@@ -144,7 +167,7 @@ class MegatronEngine:
 
         self.ec = ec
         if not shared_layout:
-            init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel), seed=ec.seed)
+            init_megatron(Layout(tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel, ep=ec.ep), seed=ec.seed)
         self.ranks = rank_info(ec.sequence_parallel)
         self.arch = load_arch(ec.model_path)
         with open(os.path.join(ec.model_path, "config.json"), encoding="utf-8") as fh:
@@ -155,12 +178,14 @@ class MegatronEngine:
         if on_gpu and not self.use_te and ec.use_te is None:  # said once, in the rank's log
             log.warning("Transformer Engine %s: the local (torch) layer spec is used", te_status()[1])
         config = transformer_config(self.arch, tp=ec.tp, pp=ec.pp, sequence_parallel=ec.sequence_parallel,
-                                    dtype=ec.dtype, recompute=ec.recompute)
+                                    dtype=ec.dtype, recompute=ec.recompute, ep=ec.ep,
+                                    moe_aux_loss_coef=ec.moe_aux_loss_coef)
         config.variable_seq_lengths = ec.pp > 1  # packed micro-batches differ in length
         self.config = config
         model = build_gpt(self.arch, config, pre_process=self.ranks.is_first_stage,
                           post_process=self.ranks.is_last_stage, use_te=self.use_te)
-        load_hf_weights(model, ec.model_path, self.arch, self.ranks.tp_rank, ec.tp)
+        etp = dist.get_world_size(self.ranks.etp_group) if self.ranks.etp_group is not None else ec.tp
+        load_hf_weights(model, ec.model_path, self.arch, self.ranks.tp_rank, ec.tp, self.ranks.etp_rank, etp)
         self.device = local_device()
         self.model = model.to(self.device)
         self.ddp: Any = None
@@ -293,8 +318,23 @@ class MegatronEngine:
         return self._token_logprobs(model, hidden, mb)[0]
 
     def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[list[int]]]:
-        """Balanced micro-batches under the token budget, and which sequences each holds."""
+        """Balanced micro-batches under the token budget, and which sequences each holds.
+
+        With expert parallelism every micro-batch's forward and backward exchange tokens
+        with the other ranks of the expert-parallel group (all-to-all), so every data-parallel
+        rank must run as many micro-batches as the busiest: micro-batches are split to
+        reach that count, and where a rank has too few sequences, *fillers* (one short
+        sequence again) are appended after ``len(plan)``: their outputs are dropped and
+        their loss is multiplied by 0 (megatron's load-balancing loss still sees their
+        tokens)."""
         plan = micro_batch_plan(batch, self.ec.max_tokens_per_micro_batch)
+        if self.ranks.ep > 1 and self.ranks.dp > 1:
+            count = to_comm(torch.tensor([len(plan)], dtype=torch.int64), group_backend(self.ranks.dp_group))
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ranks.dp_group)
+            plan = split_to_count(plan, batch.seqlens().tolist(), int(count.cpu()))
+            mbs = [batch.select(idx) for idx in plan]
+            shortest = int(torch.argmin(batch.seqlens()))
+            return mbs + [batch.select([shortest]) for _ in range(int(count.cpu()) - len(plan))], plan
         return [batch.select(idx) for idx in plan], plan
 
     def _run_schedule(self, mbs: list[PackedBatch], forward_only: bool,
@@ -342,7 +382,7 @@ class MegatronEngine:
             out = {k: v.float().cpu() for k, v in outputs(model, hidden, mb).items()}
             return torch.zeros((), device=hidden.device), out
 
-        results = self._run_schedule(mbs, True, loss_of)
+        results = self._run_schedule(mbs, True, loss_of)[:len(plan)]  # fillers' outputs dropped
         out = {}
         for key in keys:
             if self.ranks.is_last_stage:
@@ -373,7 +413,7 @@ class MegatronEngine:
             return torch.zeros(()), {"logits": logits[:, : self.arch.vocab_size].cpu()}
 
         with torch.no_grad():
-            results = self._run_schedule(mbs, True, loss_of)
+            results = self._run_schedule(mbs, True, loss_of)[:len(plan)]
         if not self.ranks.is_last_stage:
             return None
         return self._unpermute(batch, plan, [r["logits"] for r in results])
@@ -411,8 +451,9 @@ class MegatronEngine:
             raise RuntimeError("this engine was built without an optimizer (lr=None)")
         start = time.perf_counter()
         self.module.train()
-        mbs, _ = self._micro_batches(batch)
-        local_norm = torch.stack([normalizer_fn(mb).double() for mb in mbs]).sum()
+        mbs, plan = self._micro_batches(batch)
+        fillers = {id(mb) for mb in mbs[len(plan):]}
+        local_norm = torch.stack([normalizer_fn(mb).double() for mb in mbs[:len(plan)]]).sum()
         total_norm = to_comm(local_norm.clone(), dist.get_backend())
         tokens = to_comm(torch.tensor([float(batch.num_tokens)], dtype=torch.float64), dist.get_backend())
         if self.ranks.dp > 1:
@@ -427,11 +468,13 @@ class MegatronEngine:
             loss, stats = loss_fn(lp, mb, normalizer.to(lp.device))
             reported = {k: v.detach().float().cpu() for k, v in stats.items()}
             reported["loss"] = loss.detach().float().cpu()
+            if id(mb) in fillers:  # runs forward and backward for the experts' exchanges only
+                return loss * 0.0, reported
             return loss * scale, reported
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = self._run_schedule(mbs, False, loss_of)
+        results = self._run_schedule(mbs, False, loss_of)[:len(plan)]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -439,7 +482,7 @@ class MegatronEngine:
         stats = self._reduce_stats(results)
         stats.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=float(tokens),
-                     micro_batches=float(len(mbs)), time=time.perf_counter() - start, update_ok=float(bool(ok)))
+                     micro_batches=float(len(plan)), time=time.perf_counter() - start, update_ok=float(bool(ok)))
         return stats
 
     def _reduce_stats(self, results: list[dict[str, Any]]) -> dict[str, float]:
@@ -551,9 +594,12 @@ class MegatronEngine:
 
     def export_groups(self) -> Any:
         r = self.ranks
+        moe = self.arch.moe is not None
         return ExportGroups(tp_group=r.tp_group if r.tp > 1 else None, pp_group=r.pp_group,
                             pp_ranks=r.pp_ranks, pp_rank=r.pp_rank,
-                            is_sender_column=r.tp_rank == 0 and r.dp_rank == 0)
+                            is_sender_column=r.tp_rank == 0 and r.dp_rank == 0,
+                            etp_group=r.etp_group if moe and dist.get_world_size(r.etp_group) > 1 else None,
+                            ep_group=r.ep_group if moe and r.ep > 1 else None)
 
     def export_hf_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
                           device: torch.device | str | None = None, stage_local: bool = False) -> Iterator[list]:
@@ -568,8 +614,8 @@ class MegatronEngine:
         asserts ``tensor.device == self.device``: ``pynccl.py:541``) and nothing is staged
         through host memory on the way. Writing to disk asks for ``"cpu"``."""
 
-        if self.ranks.dp_rank != 0:
-            return iter(())
+        if self.ranks.dp_rank != 0 and self.ranks.ep == 1:
+            return iter(())  # with expert parallelism every rank takes part: its experts are gathered
         where = torch.device(device) if device is not None else comm_device(group_backend(None))
         cast = (lambda t: t.to(device=where, dtype=dtype)) if dtype is not None else (lambda t: t.to(where))
         return export_hf_weights(self.model, self.arch, self.export_groups(), self.ec.pp, bucket_bytes, cast,

@@ -1,0 +1,74 @@
+"""Worker functions for the mixture-of-experts engine tests (spawned ranks import this module)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import engine_cases as cases
+
+
+def engine(model_dir: str, tp: int, pp: int, ep: int, budget: int = 24, lr: float | None = 1e-3,
+           aux: float | None = 0.0) -> Any:
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    # megatron's MoE layer trains with tp > 1 only under sequence parallelism
+    return MegatronEngine(EngineConfig(model_path=model_dir, tp=tp, pp=pp, ep=ep, lr=lr, moe_aux_loss_coef=aux,
+                                       sequence_parallel=tp > 1,
+                                       max_tokens_per_micro_batch=budget, clip_grad=1.0, temperature=0.8,
+                                       logprob_chunk_tokens=5, total_steps=10))
+
+
+def logits_vs_hf(model_dir: str, tp: int, pp: int, ep: int) -> dict[str, Any]:
+    """Max |megatron - HF| of the full logits over packed sequences (several micro-batches)."""
+    from realscale.train.batch import PackedBatch
+
+    eng = engine(model_dir, tp, pp, ep, lr=None)
+    seqs = cases.sequences(eng.arch.vocab_size)
+    logits = eng.full_logits(PackedBatch.from_sequences(seqs))
+    if logits is None:
+        return {"diff": None}
+    ref = torch.cat(cases.hf_logits(model_dir, seqs))
+    return {"diff": float((logits - ref).abs().max()), "scale": float(ref.abs().max())}
+
+
+def train_steps(model_dir: str, tp: int, pp: int, ep: int, steps: int, n_seqs: int = 6, budget: int = 24,
+                aux: float | None = 0.0, export_dir: str | None = None) -> dict[str, Any]:
+    """Log-probs, ``steps`` PPO steps on this data-parallel rank's share, log-probs again;
+    optionally the HF export of the trained weights (rank 0 writes)."""
+    eng = engine(model_dir, tp, pp, ep, budget=budget, aux=aux)
+    batch, lp0 = cases.with_behaviour(eng, cases.rl_batch(eng.arch.vocab_size, n=n_seqs))
+    share = cases.dp_share(batch)
+    mbs, plan = eng._micro_batches(share)
+    stats = [eng.train_step(share, cases.ppo_loss_fn) for _ in range(steps)]
+    lp1 = eng.logprobs(batch)["logprobs"]
+    if export_dir is not None:
+        eng.save_hf(export_dir)
+    return {"lp0": lp0, "lp1": lp1, "stats": stats, "micro_batches": (len(plan), len(mbs))}
+
+
+def export_untrained(model_dir: str, tp: int, pp: int, ep: int, out_dir: str) -> dict[str, Any]:
+    """HF -> megatron (tp, pp, ep) -> HF; rank 0 writes ``out_dir``."""
+    engine(model_dir, tp, pp, ep, lr=None).save_hf(out_dir)
+    return {"ok": True}
+
+
+def router_after_step(model_dir: str, aux: float) -> dict[str, Any]:
+    """Layer 0's router weights after one step with auxiliary-loss coefficient ``aux``."""
+    eng = engine(model_dir, 1, 1, 1, aux=aux)
+    batch, _ = cases.with_behaviour(eng, cases.rl_batch(eng.arch.vocab_size))
+    eng.train_step(batch, cases.ppo_loss_fn)
+    return {"router": eng.model.decoder.layers[0].mlp.router.weight.detach().clone(),
+            "aux_type": eng.config.moe_router_load_balancing_type, "aux_coef": eng.config.moe_aux_loss_coeff}
+
+
+def run_many(jobs: list[tuple[str, tuple]]) -> list[Any]:
+    """Several cases in one set of processes (spawning ranks costs seconds each)."""
+    from realscale.parallel.megatron_state import destroy_megatron
+
+    out = []
+    for name, args in jobs:
+        out.append(globals()[name](*args))
+        destroy_megatron()
+    return out

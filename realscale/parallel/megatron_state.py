@@ -102,8 +102,8 @@ class RankInfo:
 
     @property
     def strategy(self) -> Strategy:
-        """The layout as a plan names it (``d<dp>t<tp>p<pp>``)."""
-        return Strategy(dp=self.dp, tp=self.tp, pp=self.pp)
+        """The layout as a plan names it (``d<dp>t<tp>p<pp>``, ``e<ep>`` with expert parallelism)."""
+        return Strategy(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
 
     def world_rank(self) -> int:
         """This rank's global rank in Megatron's order (tp fastest, then dp, then pp), which

@@ -111,17 +111,26 @@ class Mesh:
 
 @dataclass(frozen=True)
 class Strategy:
-    """``dp x tp x pp`` ranks; Megatron order (tp fastest, then dp, then pp)."""
+    """``dp x tp x pp`` ranks; Megatron order (tp fastest, then dp, then pp).
+
+    ``ep``: expert parallelism of a mixture-of-experts model, carved out of dp as Megatron
+    does (expert ranks ordered tp, ep, dp, pp): the rank at data-parallel coordinate ``d``
+    holds the experts of expert-parallel rank ``d % ep``, each split over tp like a dense
+    MLP. It changes who holds which experts, not the number of ranks."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"strategy: {name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise LayoutError(f"strategy: ep={self.ep} must divide dp={self.dp} (experts are spread over "
+                              "data-parallel ranks)")
 
     @property
     def world(self) -> int:
@@ -136,21 +145,26 @@ class Strategy:
     def local_rank(self, dp: int, tp: int, pp: int) -> int:
         return pp * self.tp * self.dp + dp * self.tp + tp
 
+    def ep_rank(self, dp: int) -> int:
+        """The expert-parallel rank of data-parallel coordinate ``dp``."""
+        return dp % self.ep
+
     def __str__(self) -> str:
-        # AReaL's notation (d<dp>t<tp>p<pp>) so plans read like its published configs.
-        return f"d{self.dp}t{self.tp}p{self.pp}"
+        # AReaL's notation (d<dp>t<tp>p<pp>) so plans read like its published configs; e<ep> when experts are split
+        return f"d{self.dp}t{self.tp}p{self.pp}" + (f"e{self.ep}" if self.ep > 1 else "")
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
-        """``"d4t2p1"`` (any order of d/t/p, missing letters mean 1) -> Strategy."""
+        """``"d4t2p1"`` (any order of d/t/p/e, missing letters mean 1) -> Strategy."""
 
-        parts = re.findall(r"([dtp])(\d+)", text)
+        parts = re.findall(r"([dtpe])(\d+)", text)
         if not parts or "".join(a + b for a, b in parts) != text.replace(" ", ""):
-            raise LayoutError(f"strategy {text!r}: expected e.g. 'd4t2p1' (d=data, t=tensor, p=pipeline parallel)")
-        vals = {"d": 1, "t": 1, "p": 1}
+            raise LayoutError(f"strategy {text!r}: expected e.g. 'd4t2p1' (d=data, t=tensor, p=pipeline parallel; "
+                              "e=expert parallel, within d)")
+        vals = {"d": 1, "t": 1, "p": 1, "e": 1}
         for key, num in parts:
             vals[key] = int(num)
-        return cls(dp=vals["d"], tp=vals["t"], pp=vals["p"])
+        return cls(dp=vals["d"], tp=vals["t"], pp=vals["p"], ep=vals["e"])
 
 
 def even_partition(n_layers: int, pp: int) -> tuple[int, ...]:

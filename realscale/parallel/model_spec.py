@@ -13,6 +13,12 @@ the HF tensor are expressed by choosing the full shape so that they are:
 - gated MLP ``linear_fc1``: each tp rank holds ``[gate_t; up_t]``. Full shape
   ``(2, ffn, hidden)`` split along dim 1.
 
+Mixture of experts: each layer has a replicated router ``(experts, hidden)`` and, per
+expert ``e``, ``linear_fc1`` / ``linear_fc2`` shaped and split like a dense MLP's (expert
+tensor parallelism = tp). ``expert`` marks them; under a strategy with ``ep > 1`` only the
+ranks of expert-parallel rank ``e // (experts / ep)`` hold expert ``e``
+(:meth:`ModelSpec.holds`).
+
 Pipeline: ``layer`` is the decoder layer index; ``-1`` means pre-process (embedding,
 first stage) and ``n_layers`` post-process (final norm, output head, last stage).
 ``also_last`` marks a tied embedding, which Megatron keeps on the first *and* last stage.
@@ -37,6 +43,7 @@ class TensorSpec:
     split_dim: int | None
     layer: int
     also_last: bool = False
+    expert: int = -1  # global expert index of a mixture-of-experts weight; -1: not an expert's
 
     @property
     def numel(self) -> int:
@@ -110,9 +117,26 @@ class ModelSpec:
                 return (s,)
         raise LayoutError(f"partition {list(partition)} does not cover layer {t.layer} of tensor {t.name}")
 
+    @property
+    def num_experts(self) -> int:
+        return int(self.meta.get("num_experts", 0))
+
+    def holds(self, t: TensorSpec, partition: tuple[int, ...], strategy: Strategy, dp: int, stage: int) -> bool:
+        """Whether the ranks at data-parallel coordinate ``dp`` of pipeline stage ``stage``
+        hold (their tp chunk of) tensor ``t``: its stage, and for an expert's weight, its
+        expert-parallel rank."""
+        if stage not in self.stages_of(t, partition):
+            return False
+        if t.expert < 0 or strategy.ep == 1:
+            return True
+        return t.expert // (self.num_experts // strategy.ep) == strategy.ep_rank(dp)
+
     def check_strategy(self, strategy: Strategy) -> None:
         """Raise :class:`LayoutError` saying why this model cannot run under ``strategy``."""
         tp, pp = strategy.tp, strategy.pp
+        if strategy.ep > 1 and (not self.num_experts or self.num_experts % strategy.ep):
+            what = f"the {self.num_experts} experts" if self.num_experts else "a dense model (no experts)"
+            raise LayoutError(f"ep={strategy.ep} does not divide {what}")
         if self.n_heads and self.n_heads % tp:
             raise LayoutError(f"tp={tp} does not divide the {self.n_heads} attention heads")
         if self.n_kv_heads and self.n_kv_heads % tp:
@@ -136,9 +160,15 @@ def pad_vocab(vocab: int, multiple: int = 128) -> int:
 
 def transformer_spec(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                      head_dim: int | None = None, tie_embeddings: bool = False, qkv_bias: bool = True,
-                     qk_norm: bool = False, itemsize: int = 2, vocab_multiple: int = 128) -> ModelSpec:
+                     qk_norm: bool = False, itemsize: int = 2, vocab_multiple: int = 128,
+                     num_experts: int = 0, moe_ffn: int = 0, moe_topk: int = 0) -> ModelSpec:
     """The Megatron parameter list of a Qwen2/Qwen3/Llama-style decoder (names follow
-    megatron-core's GPTModel with the local layer spec)."""
+    megatron-core's GPTModel with the local layer spec); ``num_experts > 0``: every layer's
+    MLP is a mixture of ``num_experts`` experts of width ``moe_ffn``, ``moe_topk`` per token
+    (Qwen3-MoE; ``ffn`` is then unused)."""
+    if num_experts and (moe_ffn < 1 or not 1 <= moe_topk <= num_experts):
+        raise LayoutError(f"transformer spec: {num_experts} experts need moe_ffn >= 1 and 1 <= moe_topk <= "
+                          f"{num_experts}, got {moe_ffn} and {moe_topk}")
     for name, value in (("hidden", hidden), ("n_layers", n_layers), ("n_heads", n_heads),
                         ("n_kv_heads", n_kv_heads), ("ffn", ffn), ("vocab", vocab)):
         if value < 1:
@@ -163,13 +193,22 @@ def transformer_spec(hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, 
             ts.append(TensorSpec(p + "self_attention.k_layernorm.weight", (hd,), None, i))
         ts.append(TensorSpec(p + "self_attention.linear_proj.weight", (hidden, n_heads * hd), 1, i))
         ts.append(TensorSpec(p + "pre_mlp_layernorm.weight", (hidden,), None, i))
-        ts.append(TensorSpec(p + "mlp.linear_fc1.weight", (2, ffn, hidden), 1, i))
-        ts.append(TensorSpec(p + "mlp.linear_fc2.weight", (hidden, ffn), 1, i))
+        if not num_experts:
+            ts.append(TensorSpec(p + "mlp.linear_fc1.weight", (2, ffn, hidden), 1, i))
+            ts.append(TensorSpec(p + "mlp.linear_fc2.weight", (hidden, ffn), 1, i))
+            continue
+        ts.append(TensorSpec(p + "mlp.router.weight", (num_experts, hidden), None, i))
+        for e in range(num_experts):
+            q = f"{p}mlp.experts.local_experts.{e}."
+            ts.append(TensorSpec(q + "linear_fc1.weight", (2, moe_ffn, hidden), 1, i, expert=e))
+            ts.append(TensorSpec(q + "linear_fc2.weight", (hidden, moe_ffn), 1, i, expert=e))
     ts.append(TensorSpec("decoder.final_layernorm.weight", (hidden,), None, n_layers))
     if not tie_embeddings:
         ts.append(TensorSpec("output_layer.weight", (vp, hidden), 0, n_layers))
-    return ModelSpec(tuple(ts), n_layers, itemsize, n_heads, n_kv_heads, hidden, ffn, vocab,
-                     {"head_dim": hd, "tie_embeddings": tie_embeddings})
+    meta = {"head_dim": hd, "tie_embeddings": tie_embeddings}
+    if num_experts:
+        meta.update(num_experts=num_experts, moe_ffn=moe_ffn, moe_topk=moe_topk)
+    return ModelSpec(tuple(ts), n_layers, itemsize, n_heads, n_kv_heads, hidden, ffn, vocab, meta)
 
 
 # Built-in sizes (numbers from the models' HF config.json files). "qwen2-70b" is Qwen2-72B.
@@ -200,10 +239,14 @@ def known_model(name: str, itemsize: int = 2) -> ModelSpec:
 
 
 def spec_from_hf_config(cfg: dict, itemsize: int = 2, vocab_multiple: int = 128) -> ModelSpec:
-    """The spec of a Qwen2/Qwen3/Llama HF ``config.json`` (as a dict); ``vocab_multiple=1``
-    gives the HF shapes themselves (no vocabulary padding)."""
+    """The spec of a Qwen2/Qwen3/Qwen3-MoE/Llama HF ``config.json`` (as a dict);
+    ``vocab_multiple=1`` gives the HF shapes themselves (no vocabulary padding)."""
     try:
         model_type = str(cfg.get("model_type", ""))
+        moe = {}
+        if model_type == "qwen3_moe":
+            moe = dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0))),
+                       moe_ffn=int(cfg["moe_intermediate_size"]), moe_topk=int(cfg["num_experts_per_tok"]))
         return transformer_spec(
             hidden=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
             n_heads=int(cfg["num_attention_heads"]),
@@ -211,6 +254,6 @@ def spec_from_hf_config(cfg: dict, itemsize: int = 2, vocab_multiple: int = 128)
             ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
             head_dim=cfg.get("head_dim"), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3", itemsize=itemsize, vocab_multiple=vocab_multiple)
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), itemsize=itemsize, vocab_multiple=vocab_multiple, **moe)
     except KeyError as exc:
         raise LayoutError(f"HF config lacks {exc.args[0]!r}; expected a Qwen2/Qwen3/Llama config.json") from None

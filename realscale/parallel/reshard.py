@@ -87,12 +87,12 @@ def shard_index(spec: ModelSpec, layout: Layout, gpu: int) -> ShardIndex | None:
     coords = layout.coords_of_gpu(gpu)
     if coords is None:
         return None
-    _, tp_rank, stage = coords
+    dp_rank, tp_rank, stage = coords
     partition = layout.stages(spec.n_layers)
     entries: dict[int, tuple[int, int, int]] = {}
     off = 0
     for i, t in enumerate(spec.tensors):
-        if stage in spec.stages_of(t, partition):
+        if spec.holds(t, partition, layout.strategy, dp_rank, stage):
             lo, hi = t.row_range(layout.strategy.tp, tp_rank)
             entries[i] = (lo, hi, off)
             outer, _, inner = t.view3()
@@ -194,6 +194,8 @@ def _tensor_needs(spec: ModelSpec, ti: int, src: Layout, dst: Layout,
     holders: dict[int, list[int]] = defaultdict(list)
     for stage in src_stages:
         for dp in range(ss.dp):
+            if not spec.holds(t, src_part, ss, dp, stage):  # another expert-parallel rank's expert
+                continue
             for tp in range(ss.tp):
                 # A replicated tensor (one chunk) is held by every tp rank.
                 holders[tp if n_src > 1 else 0].append(src.gpu(ss.local_rank(dp, tp, stage)))
@@ -202,12 +204,14 @@ def _tensor_needs(spec: ModelSpec, ti: int, src: Layout, dst: Layout,
     wanted: list[tuple[int, int, int, int, int]] = []  # (gpu, lo, hi, held_lo, held_hi)
     for stage in dst_stages:
         for dp in range(ds.dp):
+            if not spec.holds(t, dst_part, ds, dp, stage):
+                continue
             for tp in range(ds.tp):
                 gpu = dst.gpu(ds.local_rank(dp, tp, stage))
                 lo, hi = t.row_range(ds.tp, tp)
                 hlo = hhi = 0
                 sc = src.coords_of_gpu(gpu)
-                if sc is not None and sc[2] in src_stages:
+                if sc is not None and spec.holds(t, src_part, ss, sc[0], sc[2]):
                     hlo, hhi = t.row_range(ss.tp, sc[1])
                 wanted.append((gpu, lo, hi, hlo, hhi))
     needs: list[_Need] = []
@@ -298,16 +302,16 @@ def lower_bound_elems(spec: ModelSpec, src: Layout, dst: Layout) -> dict[int, in
     out: dict[int, int] = {}
     src_part, dst_part = src.stages(spec.n_layers), dst.stages(spec.n_layers)
     for gpu in dst.mesh.gpus:
-        _, dtp, dstage = dst.coords_of_gpu(gpu)  # type: ignore[misc]
+        ddp, dtp, dstage = dst.coords_of_gpu(gpu)  # type: ignore[misc]
         sc = src.coords_of_gpu(gpu)
         total = 0
         for t in spec.tensors:
-            if dstage not in spec.stages_of(t, dst_part):
+            if not spec.holds(t, dst_part, dst.strategy, ddp, dstage):
                 continue
             outer, _, inner = t.view3()
             lo, hi = t.row_range(dst.strategy.tp, dtp)
             held = 0
-            if sc is not None and sc[2] in spec.stages_of(t, src_part):
+            if sc is not None and spec.holds(t, src_part, src.strategy, sc[0], sc[2]):
                 hlo, hhi = t.row_range(src.strategy.tp, sc[1])
                 held = max(0, min(hi, hhi) - max(lo, hlo))
             total += outer * (hi - lo - held) * inner

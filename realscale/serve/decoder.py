@@ -15,6 +15,12 @@ replicated on every rank):
   split on its input dim and the partial outputs are summed (``all_reduce``);
 - MLP: ``linear_fc1`` ``(2, ffn, hidden)`` split on ``ffn`` (gate and up rows of the same
   columns), ``linear_fc2`` on its input dim, summed (``all_reduce``);
+- mixture of experts (Qwen3-MoE): the router is replicated, so every rank picks the same
+  experts for a token (softmax over all experts, top-k, renormalised when the model says
+  so: transformers' ``Qwen3MoeSparseMoeBlock``); each expert is split like the dense MLP
+  (expert tensor parallelism = tp), the weighted expert outputs are added up locally and
+  summed over ranks once (``all_reduce``). Every expert lives on every rank (no expert
+  parallelism inside a server);
 - output: vocab-parallel logits, concatenated over ranks (``all_gather``); padded
   vocabulary rows are cut off before sampling.
 
@@ -125,6 +131,8 @@ class ShardedDecoder:
         self.head_dim = arch.head_dim
         self.q_per_group = arch.num_heads // arch.num_kv_heads
         self.ffn = arch.ffn_hidden_size // tp
+        self.moe = arch.moe
+        self.moe_ffn = arch.moe.ffn_hidden_size // tp if arch.moe else 0
         self.eps = arch.norm_eps
         self.max_slots, self.max_len = max_slots, max_len
         self._bind(weights.tensors(), arch.num_layers, arch.tie_embeddings)
@@ -145,15 +153,25 @@ class ShardedDecoder:
             p = f"decoder.layers.{i}."
             qkv = t[p + "self_attention.linear_qkv.weight"]
             bias = t.get(p + "self_attention.linear_qkv.bias")
-            fc1 = t[p + "mlp.linear_fc1.weight"]
+            mlp = self._bind_experts(t, p) if self.moe else {
+                "fc1": t[p + "mlp.linear_fc1.weight"].reshape(-1, self.embed.shape[-1]),
+                "fc2": t[p + "mlp.linear_fc2.weight"]}
             self.layers.append({
                 "ln1": t[p + "input_layernorm.weight"], "ln2": t[p + "pre_mlp_layernorm.weight"],
                 "qkv": qkv.reshape(-1, qkv.shape[-1]), "qkv_bias": None if bias is None else bias.reshape(-1),
                 "q_norm": t.get(p + "self_attention.q_layernorm.weight"),
                 "k_norm": t.get(p + "self_attention.k_layernorm.weight"),
-                "proj": t[p + "self_attention.linear_proj.weight"],
-                "fc1": fc1.reshape(-1, fc1.shape[-1]), "fc2": t[p + "mlp.linear_fc2.weight"],
+                "proj": t[p + "self_attention.linear_proj.weight"], **mlp,
             })
+
+    def _bind_experts(self, t: dict[str, torch.Tensor], p: str) -> dict[str, Any]:
+        assert self.moe is not None
+        experts = []
+        for e in range(self.moe.num_experts):
+            q = f"{p}mlp.experts.local_experts.{e}."
+            fc1 = t[q + "linear_fc1.weight"]
+            experts.append((fc1.reshape(-1, fc1.shape[-1]), t[q + "linear_fc2.weight"]))
+        return {"router": t[p + "mlp.router.weight"], "experts": experts}
 
     @property
     def device(self) -> torch.device:
@@ -189,11 +207,32 @@ class ShardedDecoder:
             x = rms_norm(hidden, lw["ln1"], self.eps)
             hidden = hidden + self._attention(i, lw, x, cos, sin, rows, pos, mask, slot0, total)
             x = rms_norm(hidden, lw["ln2"], self.eps)
+            if self.moe:
+                hidden = hidden + self.comm.all_reduce(self._experts(lw, x))
+                continue
             gate, up = F.linear(x, lw["fc1"]).split(self.ffn, dim=-1)
             hidden = hidden + self.comm.all_reduce(F.linear(F.silu(gate) * up, lw["fc2"]))
         last = hidden[torch.arange(bsz, device=hidden.device), last_index]
         logits = self.comm.all_gather(F.linear(rms_norm(last, self.final_norm, self.eps), self.head))
         return logits[:, :self.vocab].float()
+
+    def _experts(self, lw: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the mixture-of-experts MLP of ``x`` ``[B, T, H]`` (summed
+        over ranks by the caller): each chosen expert runs on the tokens routed to it."""
+        assert self.moe is not None
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(F.linear(flat, lw["router"]), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.moe.topk, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            fc1, fc2 = lw["experts"][e]
+            gate, up = F.linear(flat[tokens], fc1).split(self.moe_ffn, dim=-1)
+            out.index_add_(0, tokens, F.linear(F.silu(gate) * up, fc2) * weights[tokens, slot, None])
+        return out.view(x.shape)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.embed.shape[0]

@@ -12,6 +12,12 @@ def small_spec(tied: bool = False, qkv_bias: bool = True) -> ModelSpec:
                             tie_embeddings=tied, qkv_bias=qkv_bias, itemsize=4, vocab_multiple=16)
 
 
+def small_moe_spec() -> ModelSpec:
+    """A 4-layer mixture of 4 experts (Qwen3-MoE-like) that tp in {1, 2} and ep in {1, 2, 4} can shard."""
+    return transformer_spec(hidden=16, n_layers=4, n_heads=8, n_kv_heads=4, ffn=24, vocab=100, qkv_bias=False,
+                            qk_norm=True, itemsize=4, vocab_multiple=16, num_experts=4, moe_ffn=8, moe_topk=2)
+
+
 def lay(text: str, start: int, partition: tuple[int, ...] | None = None) -> Layout:
     s = Strategy.parse(text)
     return Layout(Mesh(start, s.world), s, partition)
@@ -24,8 +30,9 @@ def full_tensors(spec: ModelSpec, seed: int = 0):
     return {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
 
 
-def worker(cases: list[tuple[bool, Layout, Layout, int, int]]) -> list[dict]:
-    """On every rank: run each case, compare with direct slicing, report bytes."""
+def worker(cases: list[tuple[bool | str, Layout, Layout, int, int]]) -> list[dict]:
+    """On every rank: run each case, compare with direct slicing, report bytes. A case's
+    first item: whether the dense spec ties its embedding, or ``"moe"`` (:func:`small_moe_spec`)."""
     import torch
     import torch.distributed as dist
 
@@ -36,7 +43,7 @@ def worker(cases: list[tuple[bool, Layout, Layout, int, int]]) -> list[dict]:
     rank = dist.get_rank()
     out = []
     for tied, src, dst, gpus_per_node, bucket_bytes in cases:
-        spec = small_spec(tied)
+        spec = small_moe_spec() if tied == "moe" else small_spec(bool(tied))
         full = full_tensors(spec)
         plan = plan_reshard(spec, src, dst, gpus_per_node=gpus_per_node)
         rs = Resharder(plan, bucket_bytes=bucket_bytes, max_inflight_bytes=4 * bucket_bytes)

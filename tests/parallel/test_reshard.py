@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
-from reshard_cases import lay, small_spec, worker
+from reshard_cases import lay, small_moe_spec, small_spec, worker
 
 from realscale.parallel.mesh import Layout, LayoutError, Mesh, Strategy
 from realscale.parallel.reshard import lower_bound_elems, plan_reshard, shard_index
@@ -107,6 +107,56 @@ def test_plan_receives_exactly_the_missing_elements_over_all_layout_pairs():
             assert sum(elems) == lb[g]
 
 
+# Expert parallelism: a trainer whose ranks hold 1, 2 or 4 of the 4 experts, into servers
+# that hold all of them (and back, and between ep degrees)
+CASES_MOE = [
+    ("moe", lay("d4t2p1e4", 0), lay("d1t2p1", 0), 4, 1 << 12),
+    ("moe", lay("d4t2p1e2", 0), lay("d2t2p1", 4), 4, 1 << 12),
+    ("moe", lay("d2t2p2e2", 0), lay("d8t1p1e4", 0), 2, 1 << 12),
+    ("moe", lay("d8t1p1e4", 0), lay("d4t1p2e2", 0), 4, 1 << 12),
+]
+
+
+@pytest.mark.multiproc
+def test_reshard_experts_on_8_gloo_ranks_bit_identical_at_lower_bound():
+    from realscale.parallel.spawn import run_distributed
+
+    per_rank = run_distributed(worker, 8, CASES_MOE, timeout=300)
+    for ci in range(len(CASES_MOE)):
+        for rank in range(8):
+            r = per_rank[rank][ci]
+            assert r["identical"], f"rank {rank}: {r['case']} does not match direct slicing"
+            assert r["recv"] == r["lower_bound"] == r["plan_recv"], f"rank {rank}: {r}"
+        assert sum(per_rank[rank][ci]["recv"] for rank in range(8)) > 0
+
+
+def test_an_expert_parallel_rank_holds_only_its_experts():
+    spec = small_moe_spec()
+    layout = lay("d4t2p1e2", 0)  # dp coordinate d holds experts of ep rank d % 2: {0, 1} or {2, 3}
+    for gpu in range(8):
+        dp, tp, _ = layout.coords_of_gpu(gpu)
+        held = {spec.tensors[i].expert for i in shard_index(spec, layout, gpu).entries} - {-1}
+        assert held == ({0, 1} if dp % 2 == 0 else {2, 3}), (gpu, held)
+    dense = sum(t.numel for t in spec.tensors if t.expert < 0)
+    experts = sum(t.numel for t in spec.tensors if t.expert >= 0)
+    assert shard_index(spec, lay("d4t1p1e2", 0), 0).numel == dense + experts // 2
+
+
+def test_expert_layout_pairs_plan_exactly_the_missing_elements():
+    spec = small_moe_spec()
+    layouts = [lay(t, start) for t, start in (("d4t1p1e4", 0), ("d4t2p1e2", 0), ("d2t2p2e2", 0), ("d8t1p1e4", 0),
+                                               ("d2t1p1e2", 4), ("d1t2p1", 0), ("d2t2p1", 2), ("d1t1p1", 5),
+                                               ("d4t1p2e4", 0), ("d2t1p2", 4))]
+    for src, dst in itertools.product(layouts, layouts):
+        plan = plan_reshard(spec, src, dst, gpus_per_node=4)
+        lb = lower_bound_elems(spec, src, dst)
+        assert {g: plan.recv_elems.get(g, 0) for g in dst.mesh.gpus} == lb, f"{src} -> {dst}"
+        for gpu in dst.mesh.gpus:
+            assert lb[gpu] == len(_element_sets(spec, dst, gpu) - _element_sets(spec, src, gpu)), (src, dst, gpu)
+        for tr in plan.transfers:
+            shard_index(spec, src, tr.sender).intervals(spec, tr.pieces)  # raises when the sender lacks a piece
+
+
 def test_lower_bound_matches_element_sets():
     spec = small_spec(tied=True)
     for src, dst in [(Layout(Mesh(0, 8), Strategy(2, 2, 2)), Layout(Mesh(0, 4), Strategy(1, 4, 1))),
@@ -154,3 +204,10 @@ def test_bad_layouts_are_refused_with_reasons():
         Layout(Mesh(0, 2), Strategy(1, 1, 2), (4, 0))
     with pytest.raises(LayoutError, match="expected e.g."):
         Strategy.parse("d2x4")
+    with pytest.raises(LayoutError, match="ep=2 must divide dp=3"):
+        Strategy.parse("d3e2")
+    with pytest.raises(LayoutError, match="ep=2 does not divide a dense model"):
+        plan_reshard(spec, lay("d2e2", 0), lay("d1", 0))
+    with pytest.raises(LayoutError, match="ep=8 does not divide the 4 experts"):
+        plan_reshard(small_moe_spec(), lay("d8e8", 0), lay("d1", 0))
+    assert str(Strategy.parse("e2d4t2")) == "d4t2p1e2" and str(Strategy.parse("d4t2")) == "d4t2p1"

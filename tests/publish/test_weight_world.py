@@ -15,8 +15,10 @@ from realscale.parallel.mesh import LayoutError
 from realscale.parallel.spawn import run_distributed
 from realscale.publish.weight_world import WorldSpec
 
-# 4 trainer ranks: tp2 (with 2 data-parallel replicas), pp2 (2 replicas), tp2 x pp2.
-LAYOUTS = ["d2t2p1", "d2t1p2", "d1t2p2"]
+# 4 trainer ranks: tp2 (with 2 data-parallel replicas), pp2 (2 replicas), tp2 x pp2; for the
+# mixture of experts, experts split over 2 expert-parallel ranks, with tp2 (expert tensor
+# parallelism) or pp2 beside.
+LAYOUTS = {"tiny-qwen2": ["d2t2p1", "d2t1p2", "d1t2p2"], "tiny-qwen3-moe": ["d2t2p1e2", "d2t1p2e2"]}
 STEPS = 2
 
 
@@ -28,28 +30,30 @@ def _shard_bytes(model: str, servers: list[int]) -> list[int]:
     from realscale.parallel.reshard import shard_index
 
     spec, _ = model_spec(read_hf_config(model), 1, torch.float32)
-    _, dst = WorldSpec("127.0.0.1", 1, "w", "gloo", LAYOUTS[0], servers).layouts()
+    _, dst = WorldSpec("127.0.0.1", 1, "w", "gloo", "d2t2p1", servers).layouts()
     return [shard_index(spec, dst, g).numel * 4 for g in dst.mesh.gpus]
 
 
 @pytest.mark.multiproc
-def test_trainer_layouts_into_real_one_and_two_rank_servers_bit_identical_at_lower_bound():
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_trainer_layouts_into_real_one_and_two_rank_servers_bit_identical_at_lower_bound(name: str):
     from realscale.serve.server import EmbeddedServer, start_in_thread
     from realscale.models.tiny import resolve_model_path
 
-    model = resolve_model_path("tiny-qwen2")
+    model = resolve_model_path(name)
+    layouts = LAYOUTS[name]
     started = []
     try:
         for tp in (1, 1, 2):  # built here, on the main thread: a tp=2 server's rank dies with it
             started.append(start_in_thread(EmbeddedServer(model, max_running=4, context_length=128, tp=tp)))
         urls = [u for u, _ in started]
         servers = {"2x1": [(urls[0], 1), (urls[1], 1)], "1x2": [(urls[2], 2)]}
-        ranks = run_distributed(trainer_into_servers, 4, model, LAYOUTS, servers, STEPS, timeout=900)
+        ranks = run_distributed(trainer_into_servers, 4, model, layouts, servers, STEPS, timeout=900)
     finally:
         for _, stop in started:
             stop()
     rank0 = {r["case"]: r for r in ranks[0]}
-    assert len(rank0) == len(LAYOUTS) * len(servers) * STEPS
+    assert len(rank0) == len(layouts) * len(servers) * STEPS
     shards = {dst: _shard_bytes(model, [n for _, n in eps]) for dst, eps in servers.items()}
     for case, r in rank0.items():
         _, dst, _ = case

@@ -78,7 +78,9 @@ def trainer_into_servers(model_dir: str, layouts: list[str], servers: dict[str, 
     rank, out, version = dist.get_rank(), [], 0
     for strategy in layouts:
         s = Strategy.parse(strategy)
-        engine = MegatronEngine(EngineConfig(model_dir, tp=s.tp, pp=s.pp, lr=None))
+        # a mixture of experts with tp > 1 runs under sequence parallelism (megatron's MoE layer)
+        engine = MegatronEngine(EngineConfig(model_dir, tp=s.tp, pp=s.pp, ep=s.ep, lr=None,
+                                             sequence_parallel=s.tp > 1 and s.ep > 1))
         for dst, endpoints in servers.items():
             control = ClientControl([ServerEndpoint(u, r) for u, r in endpoints]) if rank == 0 else None
             transport = ReshardTransport("gloo", timeout_s=600)

@@ -14,7 +14,7 @@ import decoder_cases as cases
 from realscale.models.tiny import FAMILIES, resolve_model_path
 from realscale.parallel.spawn import run_distributed
 
-MODELS = [f"tiny-{f}" for f in FAMILIES]
+MODELS = [f"tiny-{f.replace('_', '-')}" for f in FAMILIES]  # tiny-qwen3-moe: every layer a mixture of experts
 
 
 def _ids() -> torch.Tensor:

@@ -379,7 +379,9 @@ class SFTConfig:
     num_layers: int = knob(4, "Fresh model: transformer layers.")
     num_heads: int = knob(4, "Fresh model: attention heads.")
     num_kv_heads: int = knob(2, "Fresh model: key/value heads (grouped-query attention).")
-    intermediate_size: int = knob(384, "Fresh model: MLP width.")
+    intermediate_size: int = knob(384, "Fresh model: MLP width (of a mixture of experts: the active width, experts_per_token experts of intermediate_size / experts_per_token each).")
+    num_experts: int = knob(0, "Fresh model: 0 builds a dense Qwen2; > 0 a Qwen3-MoE whose every layer is a mixture of this many experts.")
+    experts_per_token: int = knob(2, "Fresh mixture-of-experts model (num_experts > 0): experts each token is routed to (top-k).")
     steps: int = knob(200, "Optimizer steps.")
     batch_size: int = knob(64, "Sequences (prompt + answer) per step.")
     lr: float = knob(3e-3, "Peak learning rate (linear warmup, then cosine to lr/10).")
@@ -397,6 +399,11 @@ class SFTConfig:
         _positive("sft", "warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("sft", "eval_size", self.eval_size, allow_zero=True)
         _positive("sft", "max_seq_len", self.max_seq_len)
+        _positive("sft", "num_experts", self.num_experts, allow_zero=True)
+        if self.num_experts and not (1 <= self.experts_per_token <= self.num_experts
+                                     and self.intermediate_size % self.experts_per_token == 0):
+            raise ConfigError(f"sft.experts_per_token={self.experts_per_token} must be in [1, sft.num_experts="
+                              f"{self.num_experts}] and divide sft.intermediate_size={self.intermediate_size}")
 
 
 @dataclass

@@ -103,16 +103,21 @@ def sft_output_dir(cfg: Config) -> str:
 
 
 def build_base_model(cfg: Config, out_dir: str) -> str:
-    """``sft.base_model`` when set; otherwise a fresh seeded tiny Qwen2 of the ``sft`` size in ``out_dir``."""
+    """``sft.base_model`` when set; otherwise a fresh seeded tiny Qwen2 of the ``sft`` size in
+    ``out_dir`` (a Qwen3-MoE with ``sft.num_experts`` experts per layer when that is set)."""
 
     s = cfg.sft
     if s.base_model:
         return resolve_model_path(s.base_model)
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir  # already built by an earlier call with this run directory
-    build_tiny_model(out_dir, family=MODEL_FAMILY, hidden_size=s.hidden_size, num_layers=s.num_layers,
-                     num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
-                     seed=cfg.run.seed)
+    moe = {}
+    if s.num_experts:  # a mixture of experts as wide, per token, as the dense MLP it replaces
+        moe = {"num_experts": s.num_experts, "num_experts_per_tok": s.experts_per_token,
+               "moe_intermediate_size": s.intermediate_size // s.experts_per_token}
+    build_tiny_model(out_dir, family="qwen3_moe" if moe else MODEL_FAMILY, hidden_size=s.hidden_size,
+                     num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                     intermediate_size=s.intermediate_size, seed=cfg.run.seed, moe=moe)
     return _seeded_embedding(out_dir, cfg.run.seed)
 
 

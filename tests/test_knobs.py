@@ -159,6 +159,8 @@ CONSUMERS: dict[str, str] = {
     "sft.num_heads": "realscale.sft:build_base_model",
     "sft.num_kv_heads": "realscale.sft:build_base_model",
     "sft.intermediate_size": "realscale.sft:build_base_model",
+    "sft.num_experts": "realscale.sft:build_base_model",
+    "sft.experts_per_token": "realscale.sft:build_base_model",
     "sft.steps": "realscale.sft:_train_rank",
     "sft.batch_size": "realscale.sft:_train_rank",
     "sft.lr": "realscale.sft:_train_rank",

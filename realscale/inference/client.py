@@ -37,8 +37,9 @@ import uuid
 from typing import TYPE_CHECKING, Any, Iterable
 
 import aiohttp
+import numpy as np
 
-from realscale.inference.dialect import Dialect
+from realscale.inference.dialect import Dialect, Segment
 from realscale.inference.timeouts import RequestTimeouts
 from realscale.inference.vllm_dialect import VllmDialect
 
@@ -81,6 +82,10 @@ class GenerateResult:
     num_resends: int = 0  # re-sent after a server failure
     latency: float = 0.0
     num_timeouts: int = 0  # aborted past the time limit (partial output kept, rest resent)
+    # with routed experts asked for (routing replay): the experts each position 0 ..
+    # len(input_ids) + len(output_ids) - 2 was routed to, flat int32 (positions x layers x
+    # top_k), each position's from the request that computed it first (as the log-probs)
+    routed_experts: Any = None
 
 
 def dialect_for(backend: str) -> Dialect:
@@ -109,8 +114,10 @@ class InferenceClient:
     def __init__(self, urls: Iterable[str], *, request_timeout: float = 0.0, connect_timeout: float = 60.0,
                  max_retries: int = 5, backoff: float = 0.1, health_interval: float = 1.0,
                  max_interruptions: int = 100, per_server: int = 0, dialect: Dialect | None = None,
-                 timeout_slack: float = 4.0, control_timeout: float = CONTROL_TIMEOUT_S) -> None:
+                 timeout_slack: float = 4.0, control_timeout: float = CONTROL_TIMEOUT_S,
+                 routed_experts: bool = False) -> None:
         self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.routed_experts = routed_experts  # ask for every position's routed experts (routing replay)
         self.dialect = dialect or Dialect()
         self._pause_mode = "abort"  # of the last pause: the dialect's resume may depend on it
         if not self.servers:
@@ -378,9 +385,14 @@ class InferenceClient:
         interruptions = resends = timeouts = 0
         avoid: set[str] = set()
         text = ""
+        routing: list[Any] = []  # flat int32 pieces, in position order
+        held = 0  # positions whose routing is held
         while True:
             params["max_new_tokens"] = budget - len(out_ids)
-            body = self.dialect.generate_body(list(input_ids) + out_ids, params, f"{rid}-{interruptions}-{resends}")
+            # a continuation asks only for the positions not held yet: those computed before
+            # an interruption keep the routing that produced the tokens sampled after them
+            body = self.dialect.generate_body(list(input_ids) + out_ids, params, f"{rid}-{interruptions}-{resends}",
+                                              routing_from=held if self.routed_experts else None)
             reply, tries = await self._routed(self.dialect.generate_path, body, avoid,
                                               generation=(f"{rid}-{interruptions}-{resends}", budget - len(out_ids)))
             resends += tries
@@ -392,6 +404,8 @@ class InferenceClient:
             out_ids += seg.ids
             out_lps += seg.logprobs
             out_versions += seg.versions
+            if self.routed_experts:
+                held = self._take_routing(seg, routing, held, len(input_ids) + len(out_ids) - 1, rid)
             reason = seg.finish_reason
             if reason.get("type") != "abort" or len(out_ids) >= budget:
                 break
@@ -403,7 +417,28 @@ class InferenceClient:
         return GenerateResult(input_ids=list(input_ids), output_ids=out_ids, output_logprobs=out_lps,
                               output_versions=out_versions, finish_reason=reason, text=text,
                               num_interruptions=interruptions, num_resends=resends,
-                              latency=time.monotonic() - start, num_timeouts=timeouts)
+                              latency=time.monotonic() - start, num_timeouts=timeouts,
+                              routed_experts=np.concatenate(routing) if self.routed_experts and routing else None)
+
+    @staticmethod
+    def _take_routing(seg: Segment, routing: list[Any], held: int, fed: int, rid: str) -> int:
+        """Append a reply's routed experts (positions ``held`` .. ``fed - 1``: every position
+        fed to the model; the last sampled token never is) and return the positions held.
+        A reply with no routing for positions that ran is an error, not a gap."""
+        rows = fed - held
+        got = seg.routed_experts
+        if rows <= 0:
+            return held
+        if got is None or got.size == 0:
+            if seg.ids:
+                raise ServerError(f"request {rid}: the server returned no routed experts (routing replay needs "
+                                  "a mixture-of-experts model and a server that reports its routing)")
+            return held  # aborted before it ran: asked for again by the continuation
+        if got.size % rows:
+            raise ServerError(f"request {rid}: {got.size} routed-expert ids do not divide into the {rows} positions "
+                              f"{held}..{fed - 1}")
+        routing.append(got)
+        return fed
 
     async def _control(self, path: str, body: dict[str, Any], also: set[str] | frozenset[str] = frozenset(),
                        retire_slow: bool = False) -> None:

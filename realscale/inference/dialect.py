@@ -4,8 +4,11 @@ the embedded server speaks too; vLLM's overrides it in :mod:`realscale.inference
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 
 def parse_version(v: Any) -> Any:
@@ -25,6 +28,21 @@ def expand_spans(spans: list[dict[str, Any]], n: int, fallback: Any) -> list[Any
     return out
 
 
+def encode_routed_experts(rows: np.ndarray) -> str:
+    """SGLang's ``meta_info["routed_experts"]``: the experts each token position was
+    routed to, ``(positions, layers, top_k)`` int32, as base64 of the C-order bytes
+    (pinned SGLang 0.5.23: ``srt/managers/tokenizer_manager.py:2602-2609`` encodes the
+    request's ``(token, layer, top_k)`` tensor with ``pybase64.b64encode(t.numpy().tobytes())``;
+    ``srt/managers/io_struct.py:264-268``: the rows cover positions
+    ``[routed_experts_start_len, seqlen - 1)``)."""
+    return base64.b64encode(np.ascontiguousarray(rows, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(text: str) -> np.ndarray:
+    """The flat int32 expert ids of :func:`encode_routed_experts` (the caller knows the rows)."""
+    return np.frombuffer(base64.b64decode(text), dtype=np.int32).copy()
+
+
 @dataclasses.dataclass
 class Segment:
     """One reply of a generate call: the tokens since the request (or the resubmission)."""
@@ -34,6 +52,7 @@ class Segment:
     versions: list[Any]
     finish_reason: dict[str, Any]  # {"type": "stop" | "length" | "abort", ...}
     text: str = ""
+    routed_experts: np.ndarray | None = None  # flat int32 (positions x layers x top_k), when asked for
 
 
 class Dialect:
@@ -53,16 +72,24 @@ class Dialect:
     # 2190-2198, would also answer while paused, but stays 503 after one failed /health.)
     liveness_path = "/model_info"
 
-    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
-        return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
+                      routing_from: int | None = None) -> dict[str, Any]:
+        """``routing_from``: also ask for the experts every position from this one on was
+        routed to (SGLang's ``return_routed_experts`` / ``routed_experts_start_len``)."""
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+        if routing_from is not None:
+            body.update(return_routed_experts=True, routed_experts_start_len=routing_from)
+        return body
 
     def parse_generate(self, reply: dict[str, Any]) -> Segment:
         meta = reply["meta_info"]
         ids = list(reply["output_ids"])
         current = parse_version(meta.get("weight_version"))
         versions = [parse_version(v) for v in expand_spans(meta.get("weight_versions"), len(ids), current)]
+        routed = meta.get("routed_experts")
         return Segment(ids, [float(x[0]) for x in meta.get("output_token_logprobs", [])], versions,
-                       meta["finish_reason"] or {"type": "abort"}, reply.get("text") or "")
+                       meta["finish_reason"] or {"type": "abort"}, reply.get("text") or "",
+                       None if routed is None else decode_routed_experts(routed))
 
     def abort(self, rid: str) -> list[tuple[str, dict[str, Any]]]:
         """The calls that end request ``rid`` on its server, which then answers it with its

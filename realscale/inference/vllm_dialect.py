@@ -98,7 +98,13 @@ class VllmDialect(Dialect):
     # dead engine, vllm/v1/engine/async_llm.py:1089-1092): fine while paused
     liveness_path = "/health"
 
-    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
+    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
+                      routing_from: int | None = None) -> dict[str, Any]:
+        if routing_from is not None:
+            # vLLM 0.32's /v1/completions returns no routing (algo.routing_replay refuses
+            # generate.backend=vllm before anything starts: realscale/config.py)
+            raise ValueError("vLLM's completions API returns no routed experts: routing replay needs the embedded "
+                             "server or SGLang")
         return {"token_ids": input_ids, "sampling_params": sampling_params(params), "request_id": rid,
                 "output_mode": "tokens"}
 

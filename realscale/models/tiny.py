@@ -119,8 +119,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def make_config(family: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-                num_kv_heads: int, intermediate_size: int, tie_embeddings: bool, eos_id: int) -> Any:
-    """The transformers config object of a tiny model of ``family``."""
+                num_kv_heads: int, intermediate_size: int, tie_embeddings: bool, eos_id: int,
+                moe: dict[str, Any] | None = None) -> Any:
+    """The transformers config object of a tiny model of ``family`` (``moe``: Qwen3-MoE
+    fields replacing :data:`TINY_MOE`'s)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if family not in FAMILIES:
@@ -140,13 +142,15 @@ def make_config(family: str, vocab_size: int, hidden_size: int, num_layers: int,
     if family in ("qwen3", "qwen3_moe"):
         common["head_dim"] = hidden_size // num_heads
     if family == "qwen3_moe":
-        common.update(TINY_MOE)
+        common.update(TINY_MOE, **(moe or {}))
+    elif moe:
+        raise ValueError(f"mixture-of-experts fields given for the dense family {family!r}")
     return cls(**common)
 
 
 def build_tiny_model(out_dir: str, family: str = "qwen2", hidden_size: int = 64, num_layers: int = 2,
                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                     tie_embeddings: bool | None = None, seed: int = 0) -> str:
+                     tie_embeddings: bool | None = None, seed: int = 0, moe: dict[str, Any] | None = None) -> str:
     """Write a tiny HF model directory (config, seeded weights, tokenizer); return its path.
 
     ``tie_embeddings`` defaults to the family's habit for small models (Qwen ties, Llama
@@ -160,7 +164,7 @@ def build_tiny_model(out_dir: str, family: str = "qwen2", hidden_size: int = 64,
     if tie_embeddings is None:
         tie_embeddings = family != "llama"
     config = make_config(family, _round_up(len(tok), 8), hidden_size, num_layers, num_heads, num_kv_heads,
-                         intermediate_size, tie_embeddings, tok.eos_token_id)
+                         intermediate_size, tie_embeddings, tok.eos_token_id, moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # the family's own init
     model.save_pretrained(out_dir, safe_serialization=True)

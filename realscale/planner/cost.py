@@ -19,6 +19,19 @@ parallelism as configured, chunked log-probs, Megatron's full recomputation chos
 when the activations would not fit otherwise, and then turned on by the engine through the
 plan), KV cache.
 
+Mixture of experts (``spec.num_experts > 0``, e.g. Qwen3-MoE): FLOPs count the *active*
+parameters (router + ``moe_topk`` of the experts per layer, :func:`active_params`); a
+training GPU holds its expert-parallel rank's experts (the expert part of its stage divides
+by ``ep * tp``, the rest by ``tp``), and the experts' gradients and optimizer state are
+reduced and sharded over the expert data-parallel group (``dp / ep``); each MoE layer's
+dispatch and combine are all-to-alls of ``tokens x topk x hidden`` over the ep group
+(:func:`all_to_all_seconds`: NVLink inside a node, InfiniBand for the peers on other
+nodes), and under tp the MLP's collectives carry the ``topk`` routed copies. Decode reads
+the experts a batch is routed to (:func:`decode_weight_bytes`: ``topk / experts`` of them
+for one sequence, all at large batches); generation servers (dp x tp, no ep) hold every
+expert. Nothing here ran on GPUs: these terms are counts, and the efficiencies they are
+divided by are the same uncalibrated assumptions as a dense model's.
+
 How this departs from ReaL's estimator (arXiv 2406.14088, section 4.2): ReaL profiles
 each layer on the target GPUs and interpolates; we have no GPU cluster here, so the same
 terms come from FLOP and byte counts times the efficiency constants of
@@ -99,11 +112,41 @@ class RoleCost:
     recompute: str = "none"  # train roles: the engine's train.recompute this memory assumes
 
 
+def expert_params(spec: ModelSpec) -> int:
+    """Parameters of the experts' MLPs (0 for a dense model). Counted from the spec's
+    numbers, not its tensor list: the search prices hundreds of layouts and a MoE model
+    has tens of thousands of expert tensors (each SwiGLU expert: fc1 (2, moe_ffn, hidden),
+    fc2 (hidden, moe_ffn))."""
+    if not spec.num_experts:
+        return 0
+    return spec.n_layers * spec.num_experts * 3 * int(spec.meta["moe_ffn"]) * spec.hidden
+
+
+def active_params(spec: ModelSpec) -> float:
+    """Parameters one token's forward pass uses: all but the experts it is not routed to
+    (``moe_topk`` of ``num_experts`` per layer; the router is always used)."""
+    experts = expert_params(spec)
+    if not experts:
+        return spec.n_params
+    return spec.n_params - experts + experts * int(spec.meta["moe_topk"]) / spec.num_experts
+
+
+def held_params(spec: ModelSpec, s: Strategy) -> tuple[float, float]:
+    """``(dense, expert)`` parameters one GPU of layout ``s`` holds: its pipeline stage's
+    share split over tp, and of the experts only its expert-parallel rank's."""
+    experts = expert_params(spec)
+    return (spec.n_params - experts) / s.pp / s.tp, experts / s.pp / s.tp / s.ep
+
+
+def _moe_topk(spec: ModelSpec) -> int:
+    return int(spec.meta.get("moe_topk", 0)) if spec.num_experts else 0
+
+
 def _matmul_params(spec: ModelSpec) -> float:
-    """Parameters that are multiplied per token: all but the embedding lookup (the head
-    is a matmul even when tied)."""
+    """Parameters that are multiplied per token: the active ones but the embedding lookup
+    (the head is a matmul even when tied)."""
     emb = spec.tensors[0].numel
-    return spec.n_params - emb + (emb if spec.meta.get("tie_embeddings") else 0)
+    return active_params(spec) - emb + (emb if spec.meta.get("tie_embeddings") else 0)
 
 
 def _q_dim(spec: ModelSpec) -> int:
@@ -124,6 +167,38 @@ def _ring(nbytes: float, n: int, gbps: float, eff: Efficiency) -> float:
     if n <= 1:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / (gbps * GB * eff.link)
+
+
+def all_to_all_seconds(nbytes: float, s: Strategy, gpus_per_node: int, gpu: GPU, eff: Efficiency) -> float:
+    """One all-to-all of the expert-parallel group, each rank sending ``nbytes`` spread
+    evenly over the ``ep`` ranks (its own share stays). The group is ``ep`` consecutive
+    data-parallel ranks, ``tp`` GPUs apart (:class:`Strategy`), so ``gpus_per_node / tp``
+    of them share a node: those peers over NVLink, the others over each GPU's InfiniBand
+    NIC, at the same time (the slower decides)."""
+    if s.ep <= 1:
+        return 0.0
+    local = max(1, min(s.ep, gpus_per_node // s.tp))
+    nvlink = nbytes * (local - 1) / s.ep / (gpu.nvlink_gbps * GB * eff.link)
+    ib = nbytes * (s.ep - local) / s.ep / (gpu.ib_gbps * GB * eff.link)
+    return max(nvlink, ib)
+
+
+def _moe_comm(spec: ModelSpec, s: Strategy, tokens: float, passes: int, gpu: GPU, eff: Efficiency,
+              gpus_per_node: int) -> float:
+    """What a MoE model's ``passes`` (forward or backward) over ``tokens`` of a replica add
+    to a dense model's communication on one GPU of a stage: per layer and pass, the
+    dispatch and combine all-to-alls of each GPU's tokens (its 1/tp share under sequence
+    parallelism, which Megatron's MoE layer needs with tp > 1) times ``topk``, and under tp
+    the MLP's all-gather / reduce-scatter carrying the ``topk`` routed copies instead of one
+    (the dense terms count one)."""
+    topk = _moe_topk(spec)
+    if not topk:
+        return 0.0
+    layers_stage = math.ceil(spec.n_layers / s.pp)
+    act = tokens * spec.hidden * spec.itemsize
+    a2a = 2 * all_to_all_seconds(act / s.tp * topk, s, gpus_per_node, gpu, eff)
+    mlp_tp = _ring(act * (topk - 1), s.tp, gpu.nvlink_gbps, eff)
+    return passes * layers_stage * (a2a + mlp_tp)
 
 
 def _spans_nodes(strategy: Strategy, axis_stride: int, axis_size: int, gpus_per_node: int) -> bool:

@@ -135,6 +135,9 @@ class ShardedDecoder:
         self.moe_ffn = arch.moe.ffn_hidden_size // tp if arch.moe else 0
         self.eps = arch.norm_eps
         self.max_slots, self.max_len = max_slots, max_len
+        # mixture of experts: the experts each fed token was routed to by the last forward,
+        # [B, T, layers, top_k] int32 on the CPU (what a server reports for routing replay)
+        self.last_routing: torch.Tensor | None = None
         self._bind(weights.tensors(), arch.num_layers, arch.tie_embeddings)
         device, dtype = weights.flat.device, weights.flat.dtype
         self.rotary, self._rope = hf_rope(hf_config, device)
@@ -203,22 +206,28 @@ class ShardedDecoder:
         hidden = self._embed(input_ids)
         cos, sin = self.rotary(hidden, pos)
         rows = torch.arange(slot0, slot0 + bsz, device=pos.device).unsqueeze(1)
+        routing: list[torch.Tensor] = []
         for i, lw in enumerate(self.layers):
             x = rms_norm(hidden, lw["ln1"], self.eps)
             hidden = hidden + self._attention(i, lw, x, cos, sin, rows, pos, mask, slot0, total)
             x = rms_norm(hidden, lw["ln2"], self.eps)
             if self.moe:
-                hidden = hidden + self.comm.all_reduce(self._experts(lw, x))
+                out, chosen = self._experts(lw, x)
+                hidden = hidden + self.comm.all_reduce(out)
+                routing.append(chosen.view(bsz, seqlen, -1))
                 continue
             gate, up = F.linear(x, lw["fc1"]).split(self.ffn, dim=-1)
             hidden = hidden + self.comm.all_reduce(F.linear(F.silu(gate) * up, lw["fc2"]))
+        if routing:
+            self.last_routing = torch.stack(routing, dim=2).to(device="cpu", dtype=torch.int32)
         last = hidden[torch.arange(bsz, device=hidden.device), last_index]
         logits = self.comm.all_gather(F.linear(rms_norm(last, self.final_norm, self.eps), self.head))
         return logits[:, :self.vocab].float()
 
-    def _experts(self, lw: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, lw: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the mixture-of-experts MLP of ``x`` ``[B, T, H]`` (summed
-        over ranks by the caller): each chosen expert runs on the tokens routed to it."""
+        over ranks by the caller; each chosen expert runs on the tokens routed to it), and
+        the chosen experts ``[B*T, top_k]`` in descending router weight."""
         assert self.moe is not None
         flat = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(F.linear(flat, lw["router"]), dim=-1, dtype=torch.float32)
@@ -232,7 +241,7 @@ class ShardedDecoder:
             fc1, fc2 = lw["experts"][e]
             gate, up = F.linear(flat[tokens], fc1).split(self.moe_ffn, dim=-1)
             out.index_add_(0, tokens, F.linear(F.silu(gate) * up, fc2) * weights[tokens, slot, None])
-        return out.view(x.shape)
+        return out.view(x.shape), chosen
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.embed.shape[0]

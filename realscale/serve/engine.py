@@ -81,6 +81,11 @@ class Request:
     input_ids: list[int]
     params: SamplingOptions
     return_logprob: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    # per fed position, the experts each layer routed it to ([layers, top_k] int32); append
+    # only: a retracted request prefilled again keeps the routing its tokens were sampled under
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[str] = dataclasses.field(default_factory=list)
@@ -258,6 +263,7 @@ class Engine:
         self.running.extend(reqs)  # before the forward: a failed step aborts them with the others
         logits = self.runner.forward(slot0, ids.to(dev), torch.zeros(len(reqs), dtype=torch.long, device=dev),
                                      (lengths - 1).to(dev))
+        self._keep_routing(reqs, [0] * len(reqs), lengths.tolist())
         self._sample_and_advance(reqs, slot0, logits)
 
     def _decode(self, reqs: list[Request]) -> None:
@@ -265,7 +271,21 @@ class Engine:
         last = torch.tensor([r.output_ids[-1] for r in reqs], device=dev).unsqueeze(1)
         start = torch.tensor([r.cached_len for r in reqs], device=dev)
         logits = self.runner.forward(0, last, start, torch.zeros(len(reqs), dtype=torch.long, device=dev))
+        self._keep_routing(reqs, start.tolist(), [1] * len(reqs))
         self._sample_and_advance(reqs, 0, logits)
+
+    def _keep_routing(self, reqs: list[Request], starts: list[int], fed: list[int]) -> None:
+        """Record the routing of the positions each request fed (row b's ``fed[b]`` tokens
+        from position ``starts[b]``) that it does not hold yet."""
+        if not any(r.return_routed_experts for r in reqs):
+            return
+        routing = self.runner.last_routing()
+        assert routing is not None  # the server refuses routed experts for a dense model
+        for b, req in enumerate(reqs):
+            if not req.return_routed_experts:
+                continue
+            for t in range(len(req.routing) - starts[b], fed[b]):
+                req.routing.append(routing[b, t])
 
     def _sample_and_advance(self, reqs: list[Request], slot0: int, logits: torch.Tensor) -> None:
         dev = logits.device

@@ -26,7 +26,10 @@ Response ``meta_info`` follows SGLang: ``id``, ``finish_reason`` (``{"type": "st
 "abort", "message": "Abort in waiting queue"}``), ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``reasoning_tokens``, ``weight_version``, ``weight_versions`` (spans
 ``{"version", "start", "end"}`` over the output tokens: the policy version of every
-token), ``num_retractions``, ``e2e_latency`` and, with ``return_logprob``,
+token), ``num_retractions``, ``e2e_latency``, with ``return_routed_experts`` (a
+mixture-of-experts model) ``routed_experts`` (base64 int32 ``(positions, layers, top_k)``
+over positions ``[routed_experts_start_len, seqlen - 1)``, which must start within the
+prompt) and, with ``return_logprob``,
 ``input_token_logprobs`` (empty: only ``logprob_start_len = -1`` is served),
 ``output_token_logprobs`` as ``[logprob, token_id, text or null]`` and
 ``output_token_logprobs_length``.
@@ -51,7 +54,8 @@ class ProtocolError(ValueError):
 # ---------------------------------------------------------------- /generate
 # GenerateReqInput fields the embedded server implements.
 GENERATE_FIELDS = {"rid", "text", "input_ids", "sampling_params", "return_logprob", "stream",
-                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids"}
+                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids",
+                   "return_routed_experts", "routed_experts_start_len"}
 # Only -1 (output log-probs only) and no top log-probs are served.
 GENERATE_DEFAULT_ONLY = {"logprob_start_len": -1, "top_logprobs_num": 0}
 # Accepted with any value: routing, scheduling, cache namespaces, metrics and logging hints.
@@ -68,7 +72,7 @@ GENERATE_UNSET_ONLY = {
     # extra outputs
     "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode", "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_hidden_states",
-    "return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "return_bytes",
+    "return_indexer_topk", "return_bytes",
     "return_entropy", "multi_item_delimiter_indices", "token_indices_to_pool",
     # adapters, logit processors, reasoning budgets, watermarks
     "lora_path", "lora_id", "custom_logit_processor", "require_reasoning", "max_thinking_tokens", "watermark",
@@ -245,8 +249,11 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[list[int]] | None, 
     has_ids, has_text = req.get("input_ids") is not None, req.get("text") is not None
     if has_ids == has_text:
         raise ProtocolError("generate: give exactly one of 'input_ids' or 'text'")
-    for key in ("stream", "return_text_in_logprobs", "return_prompt_token_ids"):
+    for key in ("stream", "return_text_in_logprobs", "return_prompt_token_ids", "return_routed_experts"):
         optional(req, key, (bool,), what)
+    start = req.get("routed_experts_start_len")
+    if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+        raise ProtocolError(f"generate.routed_experts_start_len: expected an integer >= 0, got {start!r}")
     if has_text:
         text = req["text"]
         texts = [text] if isinstance(text, str) else text

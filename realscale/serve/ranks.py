@@ -382,6 +382,17 @@ class ServerRanks:
         assert self.worker is not None
         return self.worker.weights.arch.vocab_size
 
+    @property
+    def has_experts(self) -> bool:
+        assert self.worker is not None
+        return self.worker.weights.arch.moe is not None
+
+    def last_routing(self) -> torch.Tensor | None:
+        """The experts the last forward routed each fed token to, ``[B, T, layers, top_k]``
+        (rank 0's: the router is replicated, every rank chooses alike); None for a dense model."""
+        assert self.worker is not None
+        return self.worker.decoder.last_routing
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Queue a KV-slot move; every rank applies it before the next forward pass."""
         self._moves.append((src, dst, length))

@@ -49,10 +49,12 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import torch
 from aiohttp import web
 
 from realscale.config import PAUSE_MODES
+from realscale.inference.dialect import encode_routed_experts
 from realscale.inference.sglang_reference import PINNED
 from realscale.inference.weight_sync import FLATTENED
 from realscale.models.tiny import resolve_model_path
@@ -201,15 +203,23 @@ class EmbeddedServer:
         logprob = P.per_item(req, "return_logprob", n, False)
         if not all(isinstance(v, bool) for v in logprob):
             raise P.ProtocolError("generate.return_logprob: expected a bool or a list of bools")
+        routed = bool(req.get("return_routed_experts"))
+        start = int(req.get("routed_experts_start_len") or 0)
+        if routed and not self.engine.runner.has_experts:
+            raise P.ProtocolError("generate.return_routed_experts: this model has no experts to report")
         reqs = []
         for rid, ids, raw, lp in zip(P.rid_list(req, n), batch, raw_params, logprob):
+            if routed and start > len(ids):
+                raise P.ProtocolError(f"generate.routed_experts_start_len: {start} is past the prompt's {len(ids)} "
+                                      "tokens (it must be within the prompt)")
             if len(ids) >= self.context_length:
                 raise P.ProtocolError(f"generate.input_ids: the input has {len(ids)} tokens; the context length is "
                                       f"{self.context_length}, so at most {self.context_length - 1} fit")
             opts = P.parse_sampling_params(raw, self.default_max_new_tokens)
             if opts.top_k >= self.engine.vocab_size:
                 opts.top_k = -1  # SGLang's "all tokens" is 1 << 30; anything past the vocabulary is no cut
-            reqs.append(Request(rid=rid or uuid.uuid4().hex, input_ids=list(ids), params=opts, return_logprob=lp))
+            reqs.append(Request(rid=rid or uuid.uuid4().hex, input_ids=list(ids), params=opts, return_logprob=lp,
+                                return_routed_experts=routed, routed_experts_start_len=start))
         fmt = {"single": P.is_single(req), "stream": bool(req.get("stream")),
                "text_in_logprobs": bool(req.get("return_text_in_logprobs")),
                "prompt_token_ids": bool(req.get("return_prompt_token_ids")),
@@ -240,6 +250,10 @@ class EmbeddedServer:
             meta["output_token_logprobs_length"] = k
         if final:
             meta["e2e_latency"] = time.monotonic() - r.created
+            if r.return_routed_experts:
+                rows = r.routing[r.routed_experts_start_len:]
+                held = torch.stack(rows).numpy() if rows else np.zeros((0,), dtype=np.int32)
+                meta["routed_experts"] = encode_routed_experts(held)
         out: dict[str, Any] = {"text": text, "output_ids": list(ids), "meta_info": meta}
         if fmt["prompt_token_ids"]:
             out["prompt_token_ids"] = list(r.input_ids)

@@ -188,6 +188,7 @@ class AlgoConfig:
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
     kl_coef: float = knob(0.0, "KL penalty against a frozen reference policy (model.ref_path, default the starting weights): the loss adds kl_coef * KL(policy || reference) per trained token, aggregated like the PPO loss (loss_agg). 0: no reference is loaded.")
+    routing_replay: bool = knob(False, "Mixture-of-experts policy: rollout routing replay (R3). The generation servers report the experts every position was routed to (SGLang's return_routed_experts; the embedded server too; vLLM cannot), and the trainer's forward passes for the proximal and training log-probs route each token to those experts (Megatron's RouterReplay) instead of choosing again. Needs train.recompute none or selective.")
     kl_estimator: str = knob("k3", "Per-token KL estimator on the sampled tokens, with d = logp_ref - logp: k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (realscale/algo/kl.py).")
 
     def __post_init__(self) -> None:
@@ -510,6 +511,12 @@ class Config:
                               f">= {k}, rollout.batch_size >= {k}; here {self.parallel.mode}, "
                               f"{self.rollout.controller_process}, {self.generate.num_servers}, "
                               f"{self.rollout.batch_size})")
+        if self.algo.routing_replay and (self.generate.backend == "vllm" or self.train.recompute == "full"
+                                         or self.rollout.workflow == "multi_turn"):
+            raise ConfigError("algo.routing_replay: needs generation servers that report routing (generate.backend "
+                              f"embedded or sglang, not {self.generate.backend!r}), single-turn rollouts (rollout."
+                              f"workflow {self.rollout.workflow!r}) and no full recomputation (train.recompute "
+                              f"{self.train.recompute!r}: a recomputed forward would route again)")
         if self.model.ref_path and not self.algo.kl_coef:
             raise ConfigError(f"model.ref_path: {self.model.ref_path!r} is set but algo.kl_coef is 0, so no reference "
                               "policy is loaded; set algo.kl_coef > 0 or leave model.ref_path empty")

@@ -90,6 +90,7 @@ CONSUMERS: dict[str, str] = {
     "algo.behav_imp_weight_mode": "realscale.algo.losses:loss_kwargs_from_config",
     "algo.loss_agg": "realscale.algo.losses:loss_kwargs_from_config",
     "algo.kl_coef": "realscale.algo.losses:loss_kwargs_from_config",
+    "algo.routing_replay": "realscale.rollout.controller:client_kwargs",
     "algo.kl_estimator": "realscale.algo.losses:loss_kwargs_from_config",
     # critic
     "critic.lr": "realscale.train.critic:critic_engine_config",

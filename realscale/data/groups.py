@@ -31,6 +31,9 @@ class Trajectory:
     completion_text: str = ""
     num_turns: int = 1
     num_interruptions: int = 0  # weight updates the generation went through
+    # routing replay: the experts each position 0 .. len(prompt) + len(output) - 2 was routed
+    # to by the generation server (flat int32, positions x layers x top_k); None otherwise
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)

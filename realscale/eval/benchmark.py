@@ -150,7 +150,8 @@ async def _sample_all(urls: list[str], prompts: list[list[int]], settings: Bench
     params = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
               "top_p": settings.top_p}
     gate = asyncio.Semaphore(eval_concurrency(cfg, len(urls)))
-    async with InferenceClient(urls, **client_kwargs(cfg)) as client:
+    # evaluation trains nothing: no routed experts to replay
+    async with InferenceClient(urls, **{**client_kwargs(cfg), "routed_experts": False}) as client:
         async def one(ids: list[int]) -> Any:
             async with gate:
                 return await client.generate(ids, dict(params))

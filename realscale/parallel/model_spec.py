@@ -223,6 +223,10 @@ KNOWN_MODELS: dict[str, dict] = {
                      head_dim=128, qkv_bias=False, qk_norm=True),
     "llama3-8b": dict(hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256, qkv_bias=False),
     "llama3-70b": dict(hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn=28672, vocab=128256, qkv_bias=False),
+    # mixture of experts: every layer 128 experts of width 768, 8 per token (its intermediate_size
+    # 6144 is a dense width no layer uses)
+    "qwen3-30b-a3b": dict(hidden=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn=6144, vocab=151936,
+                          head_dim=128, qkv_bias=False, qk_norm=True, num_experts=128, moe_ffn=768, moe_topk=8),
 }
 _ALIASES = {"qwen2-72b": "qwen2-70b", "qwen2.5-1.5b": "qwen2-1.5b", "qwen2.5-7b": "qwen2-7b",
             "qwen2.5-14b": "qwen2-14b", "qwen2.5-32b": "qwen2-32b", "qwen2.5-72b": "qwen2-70b"}

@@ -3,7 +3,10 @@
 ``parallel.plan`` names a plan (``realscale plan ... --out plan.yaml``); :func:`apply_plan`
 places every role the runtime runs:
 
-- ``actor_train`` -> ``parallel.dp / tp / pp`` (the Megatron trainer ranks);
+- ``actor_train`` -> ``parallel.dp / tp / pp / ep`` (the Megatron trainer ranks; ep > 1
+  only for a mixture-of-experts model, which with tp > 1 also needs
+  ``parallel.sequence_parallel``: Megatron's MoE layer refuses to train without it, so a
+  plan that would reach that refusal is refused here);
 - ``actor_gen`` -> ``generate.num_servers`` (its dp) and ``generate.tp`` (ranks per
   server; its pp must be 1);
 - ``critic_train`` (PPO with GAE) trains beside the actor (same ranks, same layout), so a
@@ -34,6 +37,7 @@ from realscale.planner.validate import check_colocated, check_plan, policy_spec
 
 if TYPE_CHECKING:
     from realscale.config import Config
+    from realscale.parallel.model_spec import ModelSpec
     from realscale.planner.plan import Plan
 
 
@@ -50,17 +54,20 @@ def load_plan(cfg: "Config") -> "Plan":
 
 
 def apply_plan(cfg: "Config") -> "Config":
-    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp), the
+    """``parallel.plan`` set: check the plan, then take the trainer's (dp, tp, pp, ep), the
     servers' count and tp, and the mode from it. A colocated run, planned or not, is
     checked here too (:func:`realscale.planner.validate.check_colocated`)."""
 
     if cfg.parallel.plan:
-        plan = _checked_plan(cfg)
+        plan, spec = _checked_plan(cfg)
         s, g = plan.roles["actor_train"].strategy, plan.roles["actor_gen"].strategy
-        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = s.dp, s.tp, s.pp
+        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = s.dp, s.tp, s.pp, s.ep
         cfg.generate.num_servers, cfg.generate.tp = g.dp, g.tp
         if cfg.parallel.sequence_parallel and s.tp == 1:
             cfg.parallel.sequence_parallel = False  # nothing to split the sequence over
+        if spec is not None and spec.num_experts and s.tp > 1 and not cfg.parallel.sequence_parallel:
+            raise ConfigError(f"parallel.plan {cfg.parallel.plan}: actor_train {s} trains a mixture-of-experts "
+                              "model with tp > 1, which needs parallel.sequence_parallel=true (megatron's MoE layer)")
         cfg.parallel.mode = plan.mode
         if cfg.train.recompute == "auto":
             cfg.train.recompute = plan.roles["actor_train"].recompute
@@ -76,11 +83,11 @@ def apply_plan(cfg: "Config") -> "Config":
     return cfg
 
 
-def _checked_plan(cfg: "Config") -> "Plan":
+def _checked_plan(cfg: "Config") -> "tuple[Plan, ModelSpec | None]":
     plan = load_plan(cfg)
     try:
         spec = policy_spec(cfg)
     except LayoutError as exc:
         raise ConfigError(f"parallel.plan: the policy model: {exc}") from None
     check_plan(plan, spec, f"parallel.plan {cfg.parallel.plan}")
-    return plan
+    return plan, spec

@@ -183,14 +183,14 @@ def all_to_all_seconds(nbytes: float, s: Strategy, gpus_per_node: int, gpu: GPU,
     return max(nvlink, ib)
 
 
-def _moe_comm(spec: ModelSpec, s: Strategy, tokens: float, passes: int, gpu: GPU, eff: Efficiency,
-              gpus_per_node: int) -> float:
-    """What a MoE model's ``passes`` (forward or backward) over ``tokens`` of a replica add
-    to a dense model's communication on one GPU of a stage: per layer and pass, the
-    dispatch and combine all-to-alls of each GPU's tokens (its 1/tp share under sequence
-    parallelism, which Megatron's MoE layer needs with tp > 1) times ``topk``, and under tp
-    the MLP's all-gather / reduce-scatter carrying the ``topk`` routed copies instead of one
-    (the dense terms count one)."""
+def moe_comm_seconds(spec: ModelSpec, s: Strategy, tokens: float, passes: int, gpu: GPU, eff: Efficiency,
+                     gpus_per_node: int) -> float:
+    """What a MoE model's ``passes`` (each a forward or a backward) over ``tokens`` of a
+    replica add to a dense model's communication on one GPU of a stage: per layer and pass,
+    the dispatch and the combine all-to-all of the GPU's tokens (its 1/tp share under
+    sequence parallelism, which Megatron's MoE layer needs with tp > 1) times ``topk``, and
+    under tp the MLP's all-gather / reduce-scatter carrying the ``topk`` routed copies
+    instead of the one the dense term counts. 0 for a dense model."""
     topk = _moe_topk(spec)
     if not topk:
         return 0.0
@@ -228,11 +228,14 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     layers_stage = math.ceil(spec.n_layers / s.pp)
     act_bytes = tokens_replica * spec.hidden * spec.itemsize
     tp_comm = 6 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
+    moe_comm = moe_comm_seconds(spec, s, tokens_replica, 3, gpu, eff, gpus_per_node)  # prox fwd, fwd, bwd
     pp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp * s.dp, s.pp, gpus_per_node) else gpu.nvlink_gbps
     pp_comm = 0.0 if s.pp == 1 else 3 * act_bytes / s.tp / (pp_bw * GB * eff.link)
-    stage_params = spec.n_params / s.pp / s.tp
+    dense, experts = held_params(spec, s)
     dp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp, s.dp, gpus_per_node) else gpu.nvlink_gbps
-    dp_comm = w.minibatches * _ring(stage_params * 4, s.dp, dp_bw, eff)
+    # the experts' gradients are reduced over the expert data-parallel group (dp / ep); it
+    # spans nodes exactly when dp does (ranks tp * ep apart, dp / ep of them)
+    dp_comm = w.minibatches * (_ring(dense * 4, s.dp, dp_bw, eff) + _ring(experts * 4, s.dp // s.ep, dp_bw, eff))
     usable = usable_bytes(gpu.hbm_gb)
     recompute = "none"
     mem = train_memory_bytes(spec, s, w, "none")
@@ -240,10 +243,18 @@ def train_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
         recompute = "full"
         mem = train_memory_bytes(spec, s, w, "full")
         compute *= eff.recompute_cost
+        moe_comm *= eff.recompute_cost  # the recomputed forward dispatches and combines again
     if mem > usable:
         return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
-    return RoleCost(compute + tp_comm + pp_comm + dp_comm, mem / GB, (stage_params * (4 + 12 / s.dp)) / GB,
+    return RoleCost(compute + tp_comm + pp_comm + dp_comm + moe_comm, mem / GB, offload_state_bytes(spec, s) / GB,
                     "recompute" if recompute == "full" else "", recompute)
+
+
+def offload_state_bytes(spec: ModelSpec, s: Strategy) -> float:
+    """What one training GPU moves to host memory while other roles use it: fp32 gradients,
+    and fp32 master weights + Adam moments sharded over dp (the experts' over dp / ep)."""
+    dense, experts = held_params(spec, s)
+    return dense * (4 + 12 / s.dp) + experts * (4 + 12 * s.ep / s.dp)
 
 
 def train_micro_batches(spec: ModelSpec, s: Strategy, w: Workload) -> int:
@@ -254,9 +265,11 @@ def train_micro_batches(spec: ModelSpec, s: Strategy, w: Workload) -> int:
 def train_memory_bytes(spec: ModelSpec, s: Strategy, w: Workload, recompute: str) -> float:
     """Peak memory of a training GPU: bf16 weights + fp32 gradients (Megatron's
     ``grad_reduce_in_fp32``) + fp32 master weights and Adam moments sharded over dp (the
-    distributed optimizer) + :func:`train_activation_bytes`."""
-    stage_params = spec.n_params / s.pp / s.tp
-    state = stage_params * (2 + 4 + 12 / s.dp)
+    distributed optimizer) + :func:`train_activation_bytes`. The experts' optimizer state is
+    sharded over their expert data-parallel group (``dp / ep`` ranks), as Megatron's
+    distributed optimizer does."""
+    dense, experts = held_params(spec, s)
+    state = dense * (2 + 4 + 12 / s.dp) + experts * (2 + 4 + 12 * s.ep / s.dp)
     return state + train_activation_bytes(spec, s, w, train_micro_batches(spec, s, w), recompute)
 
 
@@ -264,9 +277,24 @@ def layer_activation_bytes(spec: ModelSpec, tokens: float, tp: int, sequence_par
     """Activations one transformer layer keeps for its backward pass, bf16, flash attention
     (no s x s scores): Korthikanti et al. 2022 (arXiv 2205.05198), table 2, without the
     attention-score term: ``tokens * h * (10 + 24 / tp)`` bytes with tensor parallelism
-    alone, ``tokens * h * 34 / tp`` with sequence parallelism."""
+    alone, ``tokens * h * 34 / tp`` with sequence parallelism.
+
+    A MoE layer (:func:`moe_layer_extra_bytes`) keeps more than that formula's MLP."""
     per_token = 34.0 / tp if sequence_parallel else 10.0 + 24.0 / tp
-    return tokens * spec.hidden * per_token
+    return tokens * spec.hidden * per_token + moe_layer_extra_bytes(spec, tokens, tp)
+
+
+def moe_layer_extra_bytes(spec: ModelSpec, tokens: float, tp: int) -> float:
+    """What a MoE layer keeps for backward beyond the dense formula (0 for a dense model):
+    each of a token's ``topk`` routed copies keeps its expert input (bf16 ``2 h``, whole on
+    every tp rank: Megatron gathers the dispatched tokens over tp) and its fc1 output and
+    SwiGLU activation (``2 x 2 moe_ffn + 2 moe_ffn`` bytes, split over tp); the formula's
+    MLP intermediate (``16 h / tp``: a 4h-wide MLP) is taken out. Balanced routing."""
+    topk = _moe_topk(spec)
+    if not topk:
+        return 0.0
+    per_copy = 2.0 * spec.hidden + 6.0 * int(spec.meta["moe_ffn"]) / tp
+    return tokens * (topk * per_copy - 16.0 * spec.hidden / tp)
 
 
 def train_activation_bytes(spec: ModelSpec, s: Strategy, w: Workload, micro_batches: int, recompute: str) -> float:
@@ -303,14 +331,17 @@ def infer_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficie
     layers_stage = math.ceil(spec.n_layers / s.pp)
     act_bytes = tokens_replica * spec.hidden * spec.itemsize
     tp_comm = 2 * layers_stage * _ring(act_bytes, s.tp, gpu.nvlink_gbps, eff)
+    moe_comm = moe_comm_seconds(spec, s, tokens_replica, 1, gpu, eff, gpus_per_node)
     pp_bw = gpu.ib_gbps if _spans_nodes(s, s.tp * s.dp, s.pp, gpus_per_node) else gpu.nvlink_gbps
     pp_comm = 0.0 if s.pp == 1 else act_bytes / s.tp / (pp_bw * GB * eff.link)
-    weights = spec.n_params / s.pp / s.tp * spec.itemsize
+    dense, experts = held_params(spec, s)
+    weights = (dense + experts) * spec.itemsize
+    routed = max(0.0, moe_layer_extra_bytes(spec, w.train_mb_tokens, s.tp))  # forward only: one layer's at a time
     mem = weights + 4 * spec.hidden * 2 * w.train_mb_tokens * spec.itemsize / s.tp \
-        + 4.0 * 2 * w.train_mb_tokens * spec.vocab / s.tp
+        + 4.0 * 2 * w.train_mb_tokens * spec.vocab / s.tp + routed
     if mem > usable_bytes(gpu.hbm_gb):
         return RoleCost(math.inf, mem / GB, 0.0, "out of memory")
-    return RoleCost(compute + tp_comm + pp_comm, mem / GB)
+    return RoleCost(compute + tp_comm + pp_comm + moe_comm, mem / GB)
 
 
 def decode_step_seconds(spec: ModelSpec, tp: int, batch: float, ctx: float, gpu: GPU, eff: Efficiency) -> float:
@@ -326,8 +357,10 @@ def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Calla
     the batch's matmul + attention FLOPs, plus two all-reduces per layer under tp, a fixed
     per-step overhead, a per-request one and one per request and context token (0 on GPUs;
     on a CPU, attention's cache gather, mask and softmax add to the matmuls rather than
-    overlapping them)."""
+    overlapping them). A MoE model reads only the experts its batch is routed to
+    (:func:`decode_weight_bytes`)."""
     w_bytes = spec.n_params * spec.itemsize / tp
+    weights = decode_weight_bytes(spec, tp)
     kv_tok = kv_bytes_per_token(spec, tp)
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_decode
     flops_rate = tp * gpu.peak_tflops * 1e12 * eff.mfu_decode
@@ -339,11 +372,26 @@ def decode_step_fn(spec: ModelSpec, tp: int, gpu: GPU, eff: Efficiency) -> Calla
     per_ctx = eff.decode_ctx_overhead_s
 
     def step(batch: float, ctx: float) -> float:
-        t_mem = (w_bytes + batch * ctx * kv_tok) / hbm
+        t_mem = ((weights(batch) if weights else w_bytes) + batch * ctx * kv_tok) / hbm
         t_flops = batch * (f_params + f_ctx * ctx) / flops_rate
         return (t_mem if t_mem > t_flops else t_flops) + fixed + batch * (per_seq + ctx * per_ctx)
 
     return step
+
+
+def decode_weight_bytes(spec: ModelSpec, tp: int) -> Callable[[float], float] | None:
+    """Bytes of weights one decode step of ``batch`` sequences reads on each GPU of a tp
+    group, as a function of the batch; None for a dense model (all of them, always). A MoE
+    model's step reads the dense part and the experts its tokens are routed to: with
+    balanced routing each expert of a layer is missed by one token with probability
+    ``1 - topk / experts``, so a batch of ``b`` reads ``1 - (1 - topk / experts) ** b`` of
+    them (``topk / experts`` for one sequence, all of them at large batches)."""
+    experts = expert_params(spec) * spec.itemsize / tp
+    if not experts:
+        return None
+    total = spec.n_params * spec.itemsize / tp
+    missed = 1.0 - _moe_topk(spec) / spec.num_experts
+    return lambda batch: total - experts * missed ** max(1.0, batch)
 
 
 def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Efficiency,
@@ -356,6 +404,8 @@ def generate_cost(spec: ModelSpec, s: Strategy, w: Workload, gpu: GPU, eff: Effi
     _check_role(spec, s, gpu, gpus_per_node)
     if s.pp != 1:
         raise LayoutError(f"generation shards by dp x tp only (SGLang servers); pp={s.pp} is refused")
+    if s.ep != 1:
+        raise LayoutError(f"generation servers hold every expert (dp x tp); ep={s.ep} is refused")
     weights = spec.n_params * spec.itemsize / s.tp
     kv_tok = kv_bytes_per_token(spec, s.tp)
     free = usable_bytes(gpu.hbm_gb) - weights - GEN_ACT_RESERVE_GB * GB

@@ -112,10 +112,11 @@ class Plan:
 
     # ------------------------------------------------------------------ table
     def table(self) -> str:
-        rows = [("role", "mesh", "dp", "tp", "pp", "time (s)", "mem/GPU (GB)")]
+        ep = any(pl.strategy.ep > 1 for pl in self.roles.values())  # a column only when experts are split
+        rows = [("role", "mesh", "dp", "tp", "pp", *(("ep",) if ep else ()), "time (s)", "mem/GPU (GB)")]
         for name, pl in self.roles.items():
             s = pl.strategy
-            rows.append((name, str(pl.mesh), str(s.dp), str(s.tp), str(s.pp),
+            rows.append((name, str(pl.mesh), str(s.dp), str(s.tp), str(s.pp), *((str(s.ep),) if ep else ()),
                          "-" if math.isnan(pl.seconds) else f"{pl.seconds:.1f}",
                          "-" if math.isnan(pl.mem_gb) else f"{pl.mem_gb:.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

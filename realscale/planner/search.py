@@ -1,4 +1,5 @@
-"""Search for the placement of every role of an RL step: a mesh and a (dp, tp, pp) each.
+"""Search for the placement of every role of an RL step: a mesh and a (dp, tp, pp) each
+(and for a mixture-of-experts model's training roles, an expert-parallel degree ep).
 
 Two modes:
 
@@ -110,12 +111,14 @@ class Options:
     pp: np.ndarray
     refused: dict[str, str] = field(default_factory=dict)  # strategy -> why
     recompute: np.ndarray | None = None  # train roles: 1 where the option needs full recomputation
+    ep: np.ndarray | None = None  # expert parallelism (a MoE model's train roles); None: 1 everywhere
 
     def __len__(self) -> int:
         return len(self.lo)
 
     def strategy(self, i: int) -> Strategy:
-        return Strategy(int(self.dp[i]), int(self.tp[i]), int(self.pp[i]))
+        ep = 1 if self.ep is None else int(self.ep[i])
+        return Strategy(int(self.dp[i]), int(self.tp[i]), int(self.pp[i]), ep)
 
     def mesh(self, i: int) -> Mesh:
         return Mesh(int(self.lo[i]), int(self.hi[i] - self.lo[i]))
@@ -130,6 +133,16 @@ def _strategies(size: int, gpus_per_node: int) -> list[Strategy]:
             if (size // tp) % pp == 0:
                 out.append(Strategy(size // (tp * pp), tp, pp))
     return out
+
+
+def _with_experts(spec: ModelSpec, role: Role, strategies: list[Strategy]) -> list[Strategy]:
+    """A MoE model's train roles also take every expert-parallel degree: the divisors of dp
+    that divide the experts (Megatron carves ep out of dp). Dense models, generation
+    (servers hold every expert) and forward-only roles keep ep = 1."""
+    if role.kind != "train" or not spec.num_experts:
+        return strategies
+    return [Strategy(s.dp, s.tp, s.pp, ep) for s in strategies for ep in range(1, s.dp + 1)
+            if s.dp % ep == 0 and spec.num_experts % ep == 0]
 
 
 def role_cost(p: Problem, role: Role, s: Strategy, mode: str) -> C.RoleCost:
@@ -149,11 +162,11 @@ def role_options(p: Problem, role: Role, mode: str, meshes: list[Mesh] | None = 
     for m in meshes if meshes is not None else p.cluster.meshes():
         by_size.setdefault(m.size, []).append(m.start)
     cols: dict[str, list] = {k: [] for k in ("lo", "hi", "seconds", "mem_gb", "state_gb", "dp", "tp", "pp",
-                                             "recompute")}
+                                             "recompute", "ep")}
     refused: dict[str, str] = {}
     for size, starts in sorted(by_size.items()):
         st = np.asarray(starts, np.int64)
-        for s in _strategies(size, p.cluster.gpus_per_node):
+        for s in _with_experts(p.model(role.model), role, _strategies(size, p.cluster.gpus_per_node)):
             try:
                 rc = role_cost(p, role, s, mode)
             except LayoutError as exc:
@@ -166,7 +179,8 @@ def role_options(p: Problem, role: Role, mode: str, meshes: list[Mesh] | None = 
             cols["lo"].append(st)
             cols["hi"].append(st + size)
             for k, v in (("seconds", rc.seconds), ("mem_gb", rc.mem_gb), ("state_gb", rc.state_gb),
-                         ("dp", s.dp), ("tp", s.tp), ("pp", s.pp), ("recompute", int(rc.recompute == "full"))):
+                         ("dp", s.dp), ("tp", s.tp), ("pp", s.pp), ("recompute", int(rc.recompute == "full")),
+                         ("ep", s.ep)):
                 cols[k].append(np.full(n, v, np.float64 if k in ("seconds", "mem_gb", "state_gb") else np.int64))
     if not cols["lo"]:
         why = "; ".join(f"{k}: {v}" for k, v in list(refused.items())[:4])
@@ -218,7 +232,9 @@ def _overlap(a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> int:
 
 def sync_seconds(inst: Instance, gi: int, ti: int) -> float:
     """Weight move from actor_train option ``ti`` to actor_gen option ``gi`` (same formula
-    as :func:`realscale.planner.cost.weight_sync_seconds`, on raw numbers)."""
+    as :func:`realscale.planner.cost.weight_sync_seconds`, on raw numbers). A MoE trainer's
+    ep is not in the shard it is assumed to hold (tp x pp only): optimistic for colocated
+    expert-parallel layouts; a plan's real bytes come from ``plan_reshard``."""
     w_bytes, nvl, ib, link, overhead, _, gpn = inst.consts
     go, to = inst.opts[inst.gen], inst.opts[inst.train]
     glo, ghi, tlo, thi = int(go.lo[gi]), int(go.hi[gi]), int(to.lo[ti]), int(to.hi[ti])
@@ -415,7 +431,8 @@ def evaluate_placements(p: Problem, placements: dict[str, tuple[Mesh, Strategy]]
     for r, role in enumerate(p.roles):
         mesh, s = placements[role.name]
         o = inst.opts[r]
-        hit = np.nonzero((o.lo == mesh.start) & (o.hi == mesh.end) & (o.dp == s.dp) & (o.tp == s.tp) & (o.pp == s.pp))[0]
+        hit = np.nonzero((o.lo == mesh.start) & (o.hi == mesh.end) & (o.dp == s.dp) & (o.tp == s.tp) & (o.pp == s.pp)
+                         & (o.ep == s.ep))[0]
         if len(hit) == 0:
             raise LayoutError(f"role {role.name}: {s} on {mesh} is refused: {o.refused.get(str(s), 'not a valid layout')}")
         choice.append(int(hit[0]))

@@ -588,7 +588,8 @@ def client_kwargs(cfg: Config) -> dict[str, Any]:
     server-control client are made alike."""
     g = cfg.generate
     return {"request_timeout": g.request_timeout, "timeout_slack": g.timeout_slack, "dialect": dialect_for(g.backend),
-            "per_server": connections_per_server(g), "control_timeout": g.control_timeout_s}
+            "per_server": connections_per_server(g), "control_timeout": g.control_timeout_s,
+            "routed_experts": cfg.algo.routing_replay}
 
 
 def connections_per_server(gen: GenerateConfig) -> int:

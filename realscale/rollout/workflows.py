@@ -124,7 +124,7 @@ class SingleTurnWorkflow(_SampledWorkflow):
                           reward=reward.value, reward_reason=reward.reason,
                           finish_reason=_finish_type(res.finish_reason), group_id=sample.uid,
                           prompt_text=sample.prompt, completion_text=text,
-                          num_interruptions=res.num_interruptions)
+                          num_interruptions=res.num_interruptions, routed_experts=res.routed_experts)
 
 
 # --------------------------------------------------------------------------- multi-turn

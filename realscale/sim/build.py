@@ -199,8 +199,7 @@ def sync_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout, weight
 def switch_seconds(spec: ModelSpec, hw: HardwareProfile, layout: RunLayout) -> float:
     """Colocated: offload and reload the trainer's gradients and optimizer state around
     generation (the planner's rule, realscale/planner/search.py ``evaluate``)."""
-    s = layout.train
-    state_gb = spec.n_params / s.pp / s.tp * (4 + 12 / s.dp) / C.GB
+    state_gb = C.offload_state_bytes(spec, layout.train) / C.GB
     return 2.0 * state_gb / hw.gpu.pcie_gbps
 
 

@@ -135,7 +135,8 @@ def scenario_from_config(cfg: Config, hw: HardwareProfile, *, plan: Plan | None 
     else:
         spec = cpu_model_spec(cfg)
         p = cfg.parallel
-        layout = RunLayout(1, cfg.generate.num_servers, Strategy(p.dp, p.tp, p.pp), gpus_per_node=os.cpu_count() or 1)
+        layout = RunLayout(1, cfg.generate.num_servers, Strategy(p.dp, p.tp, p.pp, p.ep),
+                           gpus_per_node=os.cpu_count() or 1)
         prompt_len = task_prompt_len(cfg) if cfg.data.source.startswith("task:") else cfg.data.max_prompt_tokens
     if lengths is None:
         lengths = task_mix(cfg) if cfg.data.source.startswith("task:") else calibrated_lengths()

@@ -20,7 +20,7 @@ one mapping from ``algo`` knobs to :func:`~realscale.algo.losses.ppo_loss`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
-    from realscale.data.groups import Group
+    from realscale.data.groups import Group, Trajectory
     from realscale.train.batch_scatter import StageNeeds
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
@@ -71,8 +71,10 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
         behav.append(torch.tensor([0.0] * n_p + list(t.output_logprobs), dtype=torch.float32))
         advs.append(torch.full((n_p + n_o,), a, dtype=torch.float32))
         versions.append(torch.tensor([-1] * n_p + list(t.output_versions), dtype=torch.float32))
-    batch = PackedBatch.from_sequences(seqs, {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs,
-                                              "versions": versions})
+    fields = {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs, "versions": versions}
+    if algo.routing_replay:
+        fields["routed_experts"] = routing_fields(trajs)
+    batch = PackedBatch.from_sequences(seqs, fields)
     if algo.adv_estimator == "gae":
         batch.fields["rewards"] = token_rewards(batch.fields["loss_mask"], batch.cu_seqlens, rewards.tolist())
     out_lens = torch.tensor([float(len(t.output_ids)) for t in trajs])
@@ -82,6 +84,32 @@ def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBa
              "rollout/interruptions": float(sum(t.num_interruptions for t in trajs)),
              "rollout/turns": sum(t.num_turns for t in trajs) / len(trajs)}
     return batch, stats
+
+
+def routing_fields(trajs: list["Trajectory"]) -> list[torch.Tensor]:
+    """Per trajectory, ``[tokens, layers * top_k]`` int32: the experts the generation server
+    routed each position to (routing replay). The server reports every position but the
+    last (the last sampled token is never fed); the last row repeats the one before it (its
+    output predicts nothing that is trained)."""
+    widths = {t.routed_experts.size // (len(t.prompt_ids) + len(t.output_ids) - 1)
+              for t in trajs if t.routed_experts is not None and t.routed_experts.size}
+    if len(widths) != 1:
+        raise ValueError(f"routing replay: the rollouts carry no routed experts, or routings of different widths "
+                         f"({sorted(widths)} experts per position); are the generation servers reporting them?")
+    width = widths.pop()
+    out = []
+    for t in trajs:
+        n = len(t.prompt_ids) + len(t.output_ids)
+        got = t.routed_experts
+        if got is None or not got.size:
+            raise ValueError(f"routing replay: trajectory {t.group_id!r} ({len(t.output_ids)} output tokens) has no "
+                             "routed experts")
+        rows = torch.as_tensor(got, dtype=torch.int32).view(-1, width)
+        if rows.shape[0] != n - 1:
+            raise ValueError(f"routing replay: trajectory {t.group_id!r} has routing for {rows.shape[0]} positions, "
+                             f"expected {n - 1} (prompt + output - 1)")
+        out.append(torch.cat([rows, rows[-1:]]))
+    return out
 
 
 def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
@@ -216,6 +244,29 @@ def reference_kl(engine: "MegatronEngine", ref: "ReferenceEngine", shares: list[
     return {"actor/kl_ref": measured_kl(shares, key, algo, engine.ranks)}
 
 
+def behaviour_gap(shares: list[PackedBatch], dp_group: Any = None) -> dict[str, float]:
+    """How far the trainer's proximal log-probs are from the servers' behaviour log-probs
+    on the trained tokens, mean and max of ``|logp_prox - logp_behav|`` over the step (all
+    data-parallel ranks): the engines' disagreement plus the policy's lag, what importance
+    weighting corrects and what routing replay narrows for a mixture of experts."""
+    total = torch.zeros(2, dtype=torch.float64)  # sum, count
+    worst = torch.zeros(1, dtype=torch.float64)
+    for share in shares:
+        f = share.fields
+        keep = f["loss_mask"] > 0
+        gap = (f["prox_logprobs"] - f["behav_logprobs"]).abs()[keep].double()
+        total += torch.tensor([float(gap.sum()), float(gap.numel())], dtype=torch.float64)
+        if gap.numel():
+            worst = torch.maximum(worst, gap.max().reshape(1))
+    if dp_group is not None:
+        backend = group_backend(dp_group)
+        total, worst = to_comm(total, backend), to_comm(worst, backend)
+        dist.all_reduce(total, group=dp_group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp_group)
+        total, worst = total.cpu(), worst.cpu()
+    return {"actor/behav_prox_gap": float(total[0] / total[1].clamp(min=1)), "actor/behav_prox_gap_max": float(worst)}
+
+
 def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Config",
                   critic: "CriticEngine | None" = None, ref: "ReferenceEngine | None" = None) -> dict[str, float]:
     """PPO mini-batches: ``shares`` holds this DP rank's token-balanced share of each
@@ -230,6 +281,8 @@ def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Con
         if critic is not None:
             gae_advantages(critic, share, cfg.algo)
     kl_stats = reference_kl(engine, ref, shares, cfg.algo) if ref is not None else {}
+    if cfg.algo.decoupled:
+        kl_stats.update(behaviour_gap(shares, r.dp_group if r.dp > 1 else None))
     if cfg.algo.normalize_adv_over_batch:
         normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)

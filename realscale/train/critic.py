@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 def critic_engine_config(cfg: "Config", model_dir: str) -> EngineConfig:
     """The actor's engine settings with the critic's learning rate."""
     ec = EngineConfig.from_config(cfg, model_dir)
-    return dataclasses.replace(ec, lr=cfg.critic.lr or cfg.optim.lr)
+    # the critic routes its own tokens: the rollouts' routing is the policy's
+    return dataclasses.replace(ec, lr=cfg.critic.lr or cfg.optim.lr, routing_replay=False)
 
 
 class CriticEngine(MegatronEngine):

@@ -92,6 +92,8 @@ class EngineConfig:
     recompute: str = "none"  # none | selective | full (realscale.models.megatron_gpt.recompute_kwargs)
     ep: int = 1  # expert parallelism (a mixture-of-experts model)
     moe_aux_loss_coef: float | None = None  # None: the model's own router_aux_loss_coef
+    # rollout routing replay: batches carrying "routed_experts" are routed as the servers did
+    routing_replay: bool = False
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
@@ -106,7 +108,8 @@ class EngineConfig:
                    total_steps=max(1, cfg.run.total_steps * cfg.train.mini_batches),
                    distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg),
                    ep=cfg.parallel.ep,
-                   moe_aux_loss_coef=None if cfg.train.moe_aux_loss_coef < 0 else cfg.train.moe_aux_loss_coef)
+                   moe_aux_loss_coef=None if cfg.train.moe_aux_loss_coef < 0 else cfg.train.moe_aux_loss_coef,
+                   routing_replay=cfg.algo.routing_replay and train)  # the policy's, not a frozen reference's
 
 
 def resolve_recompute(cfg: Config) -> str:
@@ -126,6 +129,17 @@ def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
     from realscale.data.packing import pack_micro_batches
 
     return [idx for idx in pack_micro_batches(batch.seqlens().tolist(), max_tokens, dp=1, multiple_of=1)[0] if idx]
+
+
+def check_routing_replay(arch: Any, recompute: str) -> None:
+    """Routing replay needs a mixture of experts, and no full recomputation: a forward
+    recomputed in the backward pass would need Megatron's REPLAY_BACKWARD bookkeeping,
+    which the engine does not drive."""
+    if arch.moe is None:
+        raise ValueError("algo.routing_replay: the policy has no experts to route (a dense model)")
+    if recompute == "full":
+        raise ValueError("algo.routing_replay with train.recompute=full: a recomputed forward would route again; "
+                         "use recompute none or selective")
 
 
 def split_to_count(plan: list[list[int]], seqlens: list[int], count: int) -> list[list[int]]:
@@ -181,6 +195,9 @@ class MegatronEngine:
                                     dtype=ec.dtype, recompute=ec.recompute, ep=ec.ep,
                                     moe_aux_loss_coef=ec.moe_aux_loss_coef)
         config.variable_seq_lengths = ec.pp > 1  # packed micro-batches differ in length
+        if ec.routing_replay:
+            check_routing_replay(self.arch, ec.recompute)
+            config.moe_enable_routing_replay = True  # each router gets a RouterReplay (router.py:206-207)
         self.config = config
         model = build_gpt(self.arch, config, pre_process=self.ranks.is_first_stage,
                           post_process=self.ranks.is_last_stage, use_te=self.use_te)
@@ -259,6 +276,40 @@ class MegatronEngine:
                            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                            rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed,
                            sequence_len_offset=sequence_len_offset)
+
+    def _replay_routing(self, model: Any, mb: PackedBatch) -> None:
+        """Route this micro-batch's tokens to the experts the generation servers chose
+        (``mb.fields["routed_experts"]``, ``[tokens, layers * top_k]``), in every MoE layer
+        of this stage; a batch without them (a held-out evaluation) is routed as usual.
+
+        Megatron's ``RouterReplay`` (transformer/moe/router_replay.py, 0.16.1) in
+        ``REPLAY_FORWARD`` takes the given indices and gathers the router's own scores at
+        them (``get_replay_topk``), so the weights of the chosen experts still come from
+        the trainer's router and its gradient flows. Under sequence parallelism a rank's
+        routers see its slice of the (padded) row, so the indices are sliced alike."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        gpt = model.module if hasattr(model, "module") else model
+        routed = mb.fields.get("routed_experts")
+        routers = [layer.mlp.router.router_replay for layer in gpt.decoder.layers]
+        if routed is None:
+            for replay in routers:
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+            return
+        assert self.arch.moe is not None
+        k = self.arch.moe.topk
+        routed = routed.to(torch.long)
+        if self.ec.sequence_parallel:
+            pad = (-routed.shape[0]) % self.ec.tp  # _row pads the tokens the same way
+            routed = torch.cat([routed, routed[-1:].expand(pad, -1)]) if pad else routed
+            rows = routed.shape[0] // self.ec.tp
+            routed = routed[self.ranks.tp_rank * rows:(self.ranks.tp_rank + 1) * rows]
+        for layer, replay in zip(gpt.decoder.layers, routers):
+            glob = int(layer.layer_number) - 1
+            replay.clear_indices()  # one forward at a time: nothing is recomputed in backward
+            replay.set_target_indices(routed[:, glob * k:(glob + 1) * k].to(self.device))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _packed_params(self, cu_seqlens: torch.Tensor) -> Any:
         """Megatron's THD description of a packed row (``PackedSeqParams``)."""
@@ -347,6 +398,8 @@ class MegatronEngine:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator)
+            if engine.ec.routing_replay:
+                engine._replay_routing(model, mb)
             hidden = engine._stage_forward(model, engine._row(mb))
             return hidden, lambda out: loss_of(model, out, mb)
 

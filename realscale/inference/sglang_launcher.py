@@ -74,7 +74,7 @@ def check_sglang_version(installed: str | None = None) -> str:
 
 def sglang_command(model_path: str, port: int, gen: GenerateConfig, *, host: str | None = None, seed: int = 0,
                    dtype: str = "auto", on_gpu: bool = True, weight_version: str = "0",
-                   extra: list[str] | None = None) -> list[str]:
+                   extra: list[str] | None = None, routed_experts: bool = False) -> list[str]:
     """The ``sglang.launch_server`` argv of one server for the ``generate`` section ``gen``
     (``dtype``: the trainer's ``model.dtype``, so the served log-probs are the trainer's).
 
@@ -97,6 +97,10 @@ def sglang_command(model_path: str, port: int, gen: GenerateConfig, *, host: str
         cmd += [*CPU_FLAGS, "--mem-fraction-static", str(CPU_MEM_FRACTION), "--max-total-tokens", str(cpu_kv_tokens(gen))]
     if gen.pause_mode != "abort":
         cmd += ["--disable-radix-cache"]
+    if gen.ep > 1:  # experts over ep of the server's tp ranks (srt/arg_groups/fields/parallel.py: ep_size)
+        cmd += ["--ep-size", str(gen.ep)]
+    if routed_experts:  # routing replay (srt/arg_groups/fields/exec_.py: enable_return_routed_experts)
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(extra or [])
 
 

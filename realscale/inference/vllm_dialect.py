@@ -53,7 +53,11 @@ and ``VLLM_SERVER_DEV_MODE=1`` (see :mod:`realscale.inference.vllm_server`):
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
+
+import numpy as np
 
 from realscale.config import PAUSE_MODES
 from realscale.inference.dialect import Dialect, Segment, parse_version
@@ -88,6 +92,15 @@ def sampling_params(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def decode_npy_routing(text: str) -> np.ndarray:
+    """vLLM 0.32's ``routed_experts``: base64 of ``.npy`` bytes, ``(positions, layers, top_k)``
+    in the narrowest unsigned dtype that holds the expert ids (uint8 up to 256 experts;
+    vllm/entrypoints/scale_out/token_in_token_out/protocol.py:407-416, serial_utils.py:67-71),
+    as flat int32 like SGLang's."""
+    with io.BytesIO(base64.b64decode(text)) as buf:
+        return np.load(buf, allow_pickle=False).astype(np.int32).reshape(-1)
+
+
 class VllmDialect(Dialect):
     """vLLM's token-in/token-out API and RL routes (module docstring)."""
 
@@ -100,13 +113,13 @@ class VllmDialect(Dialect):
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
                       routing_from: int | None = None) -> dict[str, Any]:
+        sp = sampling_params(params)
         if routing_from is not None:
-            # vLLM 0.32's /v1/completions returns no routing (algo.routing_replay refuses
-            # generate.backend=vllm before anything starts: realscale/config.py)
-            raise ValueError("vLLM's completions API returns no routed experts: routing replay needs the embedded "
-                             "server or SGLang")
-        return {"token_ids": input_ids, "sampling_params": sampling_params(params), "request_id": rid,
-                "output_mode": "tokens"}
+            # vLLM 0.32 reports routing when started with --enable-return-routed-experts
+            # (vllm_server.vllm_command); SamplingParams.routed_experts_prompt_start skips the
+            # positions the caller holds (vllm/sampling_params.py:436-442)
+            sp["routed_experts_prompt_start"] = routing_from
+        return {"token_ids": input_ids, "sampling_params": sp, "request_id": rid, "output_mode": "tokens"}
 
     def parse_generate(self, reply: dict[str, Any]) -> Segment:
         choice = reply["choices"][0]
@@ -119,7 +132,9 @@ class VllmDialect(Dialect):
             raise ValueError(f"vLLM reply's weight_versions {choice.get('weight_versions')} do not cover its "
                              f"{len(ids)} tokens")
         reason = choice.get("finish_reason") or "abort"
-        return Segment(ids, [float(c["logprob"]) for c in content], versions, {"type": reason})
+        routed = choice.get("routed_experts")
+        return Segment(ids, [float(c["logprob"]) for c in content], versions, {"type": reason},
+                       routed_experts=None if routed is None else decode_npy_routing(routed))
 
     def pause(self, mode: str) -> list[tuple[str, dict[str, Any]]]:
         if mode not in VLLM_PAUSE:

@@ -54,7 +54,8 @@ def weight_engine(on_gpu: bool, kind: str = "broadcast") -> str:
 
 
 def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | None = None, seed: int = 0,
-                 on_gpu: bool = False, dtype: str = "float32", extra: list[str] | None = None) -> list[str]:
+                 on_gpu: bool = False, dtype: str = "float32", extra: list[str] | None = None,
+                 routed_experts: bool = False) -> list[str]:
     """The argv of one vLLM server for the ``generate`` config section ``gen``; ``dtype``
     is the trainer's (``model.dtype``): vLLM-CPU would otherwise run an fp32 checkpoint in
     bf16, and its log-probs would no longer match the trainer's."""
@@ -71,6 +72,10 @@ def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | 
         cmd += ["--kv-cache-memory-bytes", str(gen.vllm_kv_cache_mb << 20)]
     if gen.vllm_enforce_eager:
         cmd.append("--enforce-eager")
+    if gen.ep > 1:  # vLLM spreads the experts over all the server's ranks (EP = TP x DP)
+        cmd.append("--enable-expert-parallel")
+    if routed_experts:  # routing replay: every position's experts in the tito reply (vllm/config/aux_output.py)
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(extra or [])
 
 

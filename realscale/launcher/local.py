@@ -84,7 +84,7 @@ def spawn_embedded_server(model_dir: str, i: int, log_dir: str, *, host: str = "
 
 def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0,
                          dtype: str = "float32", timeout: float = 900.0,
-                         first_gpu: int | None = None) -> list[ServerProc]:
+                         first_gpu: int | None = None, routed_experts: bool = False) -> list[ServerProc]:
     """``gen.num_servers`` vLLM or SGLang servers (``gen.backend``), each on a free port
     with ``gen.tp`` ranks, logging to ``log_dir/server<i>.log``; returns once every one
     answers /health within ``timeout`` seconds, else a one-line :class:`LaunchError`
@@ -98,6 +98,7 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
     servers = [spawn_engine_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype,
+                                   routed_experts=routed_experts,
                                    gpus=None if first_gpu is None else devices_of_server(first_gpu + i * gen.tp, gen.tp))
                for i in range(gen.num_servers)]
     try:
@@ -110,14 +111,16 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
 
 
 def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
-                        dtype: str = "float32", gpus: str | None = None, avoid_port: int = 0) -> ServerProc:
+                        dtype: str = "float32", gpus: str | None = None, avoid_port: int = 0,
+                        routed_experts: bool = False) -> ServerProc:
     """Start one vLLM or SGLang server process (``gen.backend``; on the CPU, or on the
     GPUs ``gpus`` names), not waiting for it. Dies with this process — with the calling
     *thread*, in fact (PR_SET_PDEATHSIG): call it from a thread that outlives the server.
     ``avoid_port``: a restart's dead predecessor's (a new URL is a new server to the trainer)."""
 
     port = free_port(gen.host, avoid=avoid_port)
-    cmd, env = engine_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=gpus is not None)
+    cmd, env = engine_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=gpus is not None,
+                              routed_experts=routed_experts)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
@@ -137,12 +140,15 @@ def check_engine(model_dir: str, gen: GenerateConfig, *, on_gpu: bool) -> None:
 
 
 def engine_command(model_dir: str, port: int, gen: GenerateConfig, *, seed: int, dtype: str,
-                   on_gpu: bool) -> tuple[list[str], dict[str, str]]:
+                   on_gpu: bool, routed_experts: bool = False) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of one vLLM or SGLang server (``gen.backend``): what the
-    local spawner runs and what the Slurm server step execs."""
+    local spawner runs and what the Slurm server step execs. ``routed_experts``: the
+    server reports every position's experts (``algo.routing_replay``)."""
     if gen.backend == "vllm":
-        return vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu), vllm_env(gen, on_gpu=on_gpu)
-    return sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu), sglang_env(gen, on_gpu=on_gpu)
+        return (vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu, routed_experts=routed_experts),
+                vllm_env(gen, on_gpu=on_gpu))
+    return (sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu, routed_experts=routed_experts),
+            sglang_env(gen, on_gpu=on_gpu))
 
 
 def wait_healthy(server: ServerProc, timeout: float, what: str = "generation server") -> None:
@@ -283,7 +289,7 @@ class LocalBackend:
         if g.backend != "embedded":
             self.servers = start_engine_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
                                                 dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout,
-                                                first_gpu=first_gpu)
+                                                first_gpu=first_gpu, routed_experts=self.cfg.algo.routing_replay)
         else:
             self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
                                          seed=self.cfg.run.seed, context_length=g.context_length,
@@ -308,7 +314,7 @@ class LocalBackend:
         gpus = None if self._first_gpu is None else devices_of_server(self._first_gpu + i * g.tp, g.tp)
         self.servers[i] = spawn_engine_server(self.model_dir, g, os.path.join(logs, f"server{i}.log"),
                                               seed=self.cfg.run.seed + i, dtype=self.cfg.model.dtype, gpus=gpus,
-                                              avoid_port=old_port)
+                                              avoid_port=old_port, routed_experts=self.cfg.algo.routing_replay)
 
     def server_ready(self, i: int) -> str:
         server = self.servers[i]

@@ -184,7 +184,8 @@ def _exec_engine(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         g.cpu_threads = max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp)
     port = free_port("", avoid=_previous_port(spec.url_dir, index))
-    cmd, env = engine_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu)
+    cmd, env = engine_command(spec.model_dir, port, g, seed=seed, dtype=spec.config["model"]["dtype"], on_gpu=on_gpu,
+                              routed_experts=bool(spec.config["algo"]["routing_replay"]))
     _publish(spec.url_dir, index, f"http://{advertised_host(g.host)}:{port}")
     sys.stdout.flush()
     os.execve(cmd[0], cmd, env)

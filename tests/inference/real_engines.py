@@ -24,15 +24,15 @@ def engine_logprobs(model_dir: str, seqs: list[list[int]], temperature: float) -
 
 @contextlib.contextmanager
 def engine_servers(model_dir: str, gens: list[Any], log_dir: str, what: str, timeout: float,
-                   grace: float = 5.0) -> Iterator[list[tuple[str, int, Any]]]:
+                   grace: float = 5.0, routed_experts: bool = False) -> Iterator[list[tuple[str, int, Any]]]:
     """One real server per ``generate`` section in ``gens`` (vLLM or SGLang, started by
     the launcher's spawner, all at once, from this thread: a server dies with the thread
     that started it), each healthy within ``timeout``; yields [(url, ranks, ServerProc)]
     and stops them all."""
     from realscale.launcher.local import spawn_engine_server, stop_servers, wait_healthy
 
-    started = [spawn_engine_server(model_dir, g, f"{log_dir}/server_tp{g.tp}_{i}.log", seed=i + 1)
-               for i, g in enumerate(gens)]
+    started = [spawn_engine_server(model_dir, g, f"{log_dir}/server_tp{g.tp}_{i}.log", seed=i + 1,
+                                   routed_experts=routed_experts) for i, g in enumerate(gens)]
     try:
         for s in started:
             wait_healthy(s, timeout, what=what)

@@ -122,8 +122,10 @@ def test_launcher_options_exist() -> None:
     from realscale.inference.sglang_launcher import sglang_command
 
     options = _server_options()
-    gen = GenerateConfig(backend="sglang", tp=2, pause_mode="in_place")
-    ours = {a for on_gpu in (True, False) for a in sglang_command("/m", 1, gen, on_gpu=on_gpu) if a.startswith("--")}
+    gen = GenerateConfig(backend="sglang", tp=2, ep=2, pause_mode="in_place")  # a mixture of experts, replayed
+    ours = {a for on_gpu in (True, False) for a in sglang_command("/m", 1, gen, on_gpu=on_gpu, routed_experts=True)
+            if a.startswith("--")}
+    assert {"--ep-size", "--enable-return-routed-experts"} <= ours
     assert ours <= options, sorted(ours - options)
 
 

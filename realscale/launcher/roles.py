@@ -180,7 +180,7 @@ def _exec_engine(spec: RunSpec, gen: dict[str, Any], index: int, seed: int) -> i
 
     g = GenerateConfig(**gen)
     on_gpu = cuda_usable()
-    check_engine(spec.model_dir, g, on_gpu=on_gpu)
+    check_engine(spec.model_dir, g, on_gpu=on_gpu, routed_experts=bool(spec.config["algo"]["routing_replay"]))
     if not on_gpu and os.environ.get("SLURM_CPUS_PER_TASK"):
         g.cpu_threads = max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // g.tp)
     port = free_port("", avoid=_previous_port(spec.url_dir, index))

@@ -237,7 +237,7 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
 
     s, p = cfg.sft, cfg.parallel
     budget = max(cfg.train.max_tokens_per_micro_batch, s.max_seq_len) if s.data else SFT_MICRO_BATCH_TOKENS
-    ec = EngineConfig(model_path=base_dir, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
+    ec = EngineConfig(model_path=base_dir, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel, ep=p.ep,
                       dtype=cfg.model.dtype, seed=cfg.run.seed, lr=s.lr, min_lr=s.lr / 10,
                       warmup_steps=min(s.warmup_steps, s.steps - 1), schedule="cosine", total_steps=s.steps,
                       clip_grad=1.0, max_tokens_per_micro_batch=budget, weight_decay=0.0)

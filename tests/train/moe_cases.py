@@ -63,6 +63,23 @@ def router_after_step(model_dir: str, aux: float) -> dict[str, Any]:
             "aux_type": eng.config.moe_router_load_balancing_type, "aux_coef": eng.config.moe_aux_loss_coeff}
 
 
+def checkpoint(model_dir: str, tp: int, pp: int, ep: int, ckpt: str, mode: str, steps: int = 2) -> dict[str, Any]:
+    """mode 'save': 2 PPO steps, save, ``steps`` more; 'load': load (into this layout), ``steps``."""
+    eng = engine(model_dir, tp, pp, ep)
+    batch = cases.rl_batch(eng.arch.vocab_size)
+    if mode == "save":
+        batch, _ = cases.with_behaviour(eng, batch)
+        torch.save(batch.fields["behav_logprobs"], ckpt + ".behav.pt")
+        for _ in range(2):
+            eng.train_step(cases.dp_share(batch), cases.ppo_loss_fn)
+        eng.save(ckpt, extra={"data_position": 5})
+    else:
+        eng.load(ckpt)
+        batch.fields["behav_logprobs"] = torch.load(ckpt + ".behav.pt")
+    stats = [eng.train_step(cases.dp_share(batch), cases.ppo_loss_fn) for _ in range(steps)]
+    return {"losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats]}
+
+
 def hf_routing(model_dir: str, batch: Any, least: bool) -> torch.Tensor:
     """``[tokens, layers * top_k]`` int32 per packed token: the experts transformers'
     Qwen3-MoE routes each position to (``least``: the top-k *least* likely instead, a

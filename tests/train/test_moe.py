@@ -19,7 +19,7 @@ from realscale.config import ConfigError, load_config
 from realscale.models.family import arch_from_hf, load_arch
 from realscale.models.megatron_gpt import moe_kwargs, transformer_config
 from realscale.models.tiny import resolve_model_path
-from realscale.parallel.spawn import run_distributed
+from realscale.parallel.spawn import DistributedError, run_distributed
 from realscale.train.engine import split_to_count
 
 STEPS = 2
@@ -188,6 +188,20 @@ def test_routing_replay_forces_the_given_experts_in_every_layout(runs: dict[str,
         assert torch.allclose(got[key], one[key], atol=1e-4, rtol=0), (layout, key)
     assert (one["after"] - one["forced"]).abs().max() > 1e-3  # the step moved the replayed path
     assert abs(got["stats"]["grad_norm"] - one["stats"]["grad_norm"]) <= 1e-4 * one["stats"]["grad_norm"]
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_an_ep2_run_resumes_exactly_and_refuses_ep1(model: str, tmp_path: Path) -> None:
+    """Megatron's distributed checkpoint of expert-parallel weights and Adam state: saved
+    by ep2 ranks, loaded by ep2 ranks again, continuing exactly as the run that saved it.
+    One rank (ep=1, a single optimizer where ep2 chains two) is refused in one line."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(cases.run_many, 2, [("checkpoint", (model, 1, 1, 2, ckpt, "save"))], timeout=400)[0][0]
+    two = run_distributed(cases.run_many, 2, [("checkpoint", (model, 1, 1, 2, ckpt, "load"))], timeout=400)[0][0]
+    for a, b in zip(two["losses"] + two["grad_norms"], saved["losses"] + saved["grad_norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(abs(b), 1e-3), (two, saved)
+    with pytest.raises(DistributedError, match="written with parallel.ep=2; this run has parallel.ep=1"):
+        run_distributed(cases.run_many, 1, [("checkpoint", (model, 1, 1, 1, ckpt, "load"))], timeout=400)
 
 
 @pytest.mark.multiproc

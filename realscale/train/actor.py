@@ -244,25 +244,31 @@ def reference_kl(engine: "MegatronEngine", ref: "ReferenceEngine", shares: list[
     return {"actor/kl_ref": measured_kl(shares, key, algo, engine.ranks)}
 
 
-def behaviour_gap(shares: list[PackedBatch], dp_group: Any = None) -> dict[str, float]:
+def behaviour_gap(shares: list[PackedBatch], world: bool = False) -> dict[str, float]:
     """How far the trainer's proximal log-probs are from the servers' behaviour log-probs
-    on the trained tokens, mean and max of ``|logp_prox - logp_behav|`` over the step (all
-    data-parallel ranks): the engines' disagreement plus the policy's lag, what importance
-    weighting corrects and what routing replay narrows for a mixture of experts."""
+    on the trained tokens, mean and max of ``|logp_prox - logp_behav|`` over the step: the
+    engines' disagreement plus the policy's lag, what importance weighting corrects and
+    what routing replay narrows for a mixture of experts. ``world``: reduced over every
+    trainer rank (every rank calls it): data-parallel shares add up, tensor-parallel copies
+    count every token alike (the mean is unchanged), and pipeline stages that hold no
+    behaviour log-probs (``stage_needs``) add nothing, so the driver on the first stage
+    reports the last stage's figures."""
     total = torch.zeros(2, dtype=torch.float64)  # sum, count
     worst = torch.zeros(1, dtype=torch.float64)
     for share in shares:
         f = share.fields
+        if "behav_logprobs" not in f or "prox_logprobs" not in f:
+            continue
         keep = f["loss_mask"] > 0
         gap = (f["prox_logprobs"] - f["behav_logprobs"]).abs()[keep].double()
         total += torch.tensor([float(gap.sum()), float(gap.numel())], dtype=torch.float64)
         if gap.numel():
             worst = torch.maximum(worst, gap.max().reshape(1))
-    if dp_group is not None:
-        backend = group_backend(dp_group)
+    if world:
+        backend = group_backend(None)
         total, worst = to_comm(total, backend), to_comm(worst, backend)
-        dist.all_reduce(total, group=dp_group)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp_group)
+        dist.all_reduce(total)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         total, worst = total.cpu(), worst.cpu()
     return {"actor/behav_prox_gap": float(total[0] / total[1].clamp(min=1)), "actor/behav_prox_gap_max": float(worst)}
 
@@ -282,7 +288,7 @@ def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Con
             gae_advantages(critic, share, cfg.algo)
     kl_stats = reference_kl(engine, ref, shares, cfg.algo) if ref is not None else {}
     if cfg.algo.decoupled:
-        kl_stats.update(behaviour_gap(shares, r.dp_group if r.dp > 1 else None))
+        kl_stats.update(behaviour_gap(shares, world=dist.is_initialized() and dist.get_world_size() > 1))
     if cfg.algo.normalize_adv_over_batch:
         normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)

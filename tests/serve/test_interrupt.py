@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 import torch
 
+from server_waits import wait_running
 from realscale.inference.client import InferenceClient
 from realscale.inference.dialect import expand_spans
 from realscale.algo.sampling import token_logprobs
@@ -44,16 +45,6 @@ def _models(server, new_dir):
             1: AutoModelForCausalLM.from_pretrained(new_dir).eval()}
 
 
-async def _wait_running(session, url: str, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        async with session.get(url + "/get_server_info") as r:
-            if (await r.json())["num_running_reqs"] >= n:
-                return
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.002)
-
-
 def test_pause_returns_all_within_100ms(server_and_new_weights) -> None:
     url, _, _ = server_and_new_weights
 
@@ -64,7 +55,7 @@ def test_pause_returns_all_within_100ms(server_and_new_weights) -> None:
                                   "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}) as r:
                     return time.monotonic(), await r.json()
             tasks = [asyncio.create_task(gen(i)) for i in range(8)]
-            await _wait_running(s, url, 8)
+            await wait_running(s, url, 8)
             await asyncio.sleep(0.05)
             t0 = time.monotonic()
             async with s.post(url + "/pause_generation", json={"mode": "abort"}) as r:
@@ -91,7 +82,7 @@ def test_client_stitches_across_weight_update(server_and_new_weights) -> None:
         async with InferenceClient([url]) as client, aiohttp.ClientSession() as s:
             tasks = [asyncio.create_task(client.generate(p, {"max_new_tokens": 300, "temperature": 0.9,
                                                              "ignore_eos": True})) for p in prompts]
-            await _wait_running(s, url, len(prompts))
+            await wait_running(s, url, len(prompts))
             await asyncio.sleep(0.05)
             await client.pause("abort")
             await client.update_weights_from_disk(new_dir, weight_version=1)
@@ -121,7 +112,7 @@ def test_retract_and_in_place_resume_without_resubmission(server_and_new_weights
             task = asyncio.create_task(s.post(url + "/generate", json={
                 "input_ids": prompt, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": 400, "temperature": 0.8, "ignore_eos": True}}))
-            await _wait_running(s, url, 1)
+            await wait_running(s, url, 1)
             await asyncio.sleep(0.03)
             for path, body in [("/pause_generation", {"mode": mode}),
                                # requests still hold KV: SGLang 0.5.23 fails an update whose cache flush

@@ -10,13 +10,13 @@ that first computed it. The reference is transformers' own ``Qwen3MoeForCausalLM
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import numpy as np
 import pytest
 import torch
 
+from server_waits import wait_running
 from realscale.inference.client import InferenceClient
 from realscale.inference.dialect import decode_routed_experts
 from realscale.models.tiny import build_tiny_model, resolve_model_path
@@ -89,16 +89,6 @@ def test_a_dense_server_refuses_to_report_routing() -> None:
     assert status == 400 and "no experts" in str(reply)
 
 
-async def _wait_running(session, url: str, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        async with session.get(url + "/get_server_info") as r:
-            if (await r.json())["num_running_reqs"] >= n:
-                return
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.002)
-
-
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_routing_is_stitched_across_a_weight_update(server, mode: str) -> None:
     """Positions computed before the update keep the old weights' routing, the rest the new
@@ -111,7 +101,7 @@ def test_routing_is_stitched_across_a_weight_update(server, mode: str) -> None:
         async with InferenceClient([url], routed_experts=True) as client, aiohttp.ClientSession() as s:
             tasks = [asyncio.create_task(client.generate(p, {"max_new_tokens": 200, "temperature": 0.9,
                                                              "ignore_eos": True})) for p in prompts]
-            await _wait_running(s, url, len(prompts))
+            await wait_running(s, url, len(prompts))
             await asyncio.sleep(0.05)
             await client.pause(mode)
             await client.update_weights_from_disk(new_dir, weight_version=1)

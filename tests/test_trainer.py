@@ -12,6 +12,7 @@ from realscale.parallel.spawn import run_distributed
 
 
 @pytest.mark.multiproc
+@pytest.mark.e2e  # heavy (~26 s, four spawned runs): CI's e2e tier, keeping the default tier under 15 minutes
 def test_rl_step_on_two_ranks_matches_one() -> None:
     model = resolve_model_path("tiny-qwen2")
     one = run_distributed(cases.one_rl_step, 1, model, 1, 1, timeout=300)[0]

@@ -21,6 +21,7 @@ def test_token_rewards_sit_on_the_last_trained_token() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.e2e  # heavy (~30 s): CI runs it in the e2e tier, keeping the default tier under 15 minutes
 @pytest.mark.timeout(900)  # four spawned runs of actor + critic
 def test_value_loss_falls_and_two_ranks_match_one() -> None:
     model = resolve_model_path("tiny-qwen2")

@@ -191,6 +191,7 @@ def test_routing_replay_forces_the_given_experts_in_every_layout(runs: dict[str,
 
 
 @pytest.mark.multiproc
+@pytest.mark.e2e  # heavy (~23 s, three spawned runs): CI's e2e tier, keeping the default tier under 15 minutes
 def test_a_checkpoint_of_an_ep2_run_resumes_exactly_and_refuses_ep1(model: str, tmp_path: Path) -> None:
     """Megatron's distributed checkpoint of expert-parallel weights and Adam state: saved
     by ep2 ranks, loaded by ep2 ranks again, continuing exactly as the run that saved it.

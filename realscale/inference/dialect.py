@@ -31,8 +31,10 @@ def expand_spans(spans: list[dict[str, Any]], n: int, fallback: Any) -> list[Any
 def encode_routed_experts(rows: np.ndarray) -> str:
     """SGLang's ``meta_info["routed_experts"]``: the experts each token position was
     routed to, ``(positions, layers, top_k)`` int32, as base64 of the C-order bytes
-    (pinned SGLang 0.5.23: ``srt/managers/tokenizer_manager.py:2602-2609`` encodes the
-    request's ``(token, layer, top_k)`` tensor with ``pybase64.b64encode(t.numpy().tobytes())``;
+    (pinned SGLang 0.5.23: its capturer's buffers are int32, ``srt/state_capturer/base.py:40,
+    70``; ``srt/managers/detokenizer_manager.py:432-445`` encodes each request's ``(token,
+    layer, top_k)`` tensor with ``pybase64.b64encode(t.numpy().tobytes())`` and
+    ``srt/state_capturer/routed_experts.py:166-173`` decodes it as int32;
     ``srt/managers/io_struct.py:264-268``: the rows cover positions
     ``[routed_experts_start_len, seqlen - 1)``)."""
     return base64.b64encode(np.ascontiguousarray(rows, dtype=np.int32).tobytes()).decode("ascii")

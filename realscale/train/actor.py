@@ -253,24 +253,23 @@ def behaviour_gap(shares: list[PackedBatch], world: bool = False) -> dict[str, f
     count every token alike (the mean is unchanged), and pipeline stages that hold no
     behaviour log-probs (``stage_needs``) add nothing, so the driver on the first stage
     reports the last stage's figures."""
-    total = torch.zeros(2, dtype=torch.float64)  # sum, count
+    total = torch.zeros(3, dtype=torch.float64)  # count, sum, sum of squares (masked_moments)
     worst = torch.zeros(1, dtype=torch.float64)
     for share in shares:
         f = share.fields
         if "behav_logprobs" not in f or "prox_logprobs" not in f:
             continue
-        keep = f["loss_mask"] > 0
-        gap = (f["prox_logprobs"] - f["behav_logprobs"]).abs()[keep].double()
-        total += torch.tensor([float(gap.sum()), float(gap.numel())], dtype=torch.float64)
-        if gap.numel():
-            worst = torch.maximum(worst, gap.max().reshape(1))
+        gap, keep = (f["prox_logprobs"] - f["behav_logprobs"]).abs(), f["loss_mask"] > 0
+        total += masked_moments(gap, keep)
+        if bool(keep.any()):
+            worst = torch.maximum(worst, gap[keep].double().max().reshape(1))
     if world:
         backend = group_backend(None)
         total, worst = to_comm(total, backend), to_comm(worst, backend)
         dist.all_reduce(total)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         total, worst = total.cpu(), worst.cpu()
-    return {"actor/behav_prox_gap": float(total[0] / total[1].clamp(min=1)), "actor/behav_prox_gap_max": float(worst)}
+    return {"actor/behav_prox_gap": float(total[1] / total[0].clamp(min=1)), "actor/behav_prox_gap_max": float(worst)}
 
 
 def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Config",

@@ -382,10 +382,11 @@ class MegatronEngine:
         if self.ranks.ep > 1 and self.ranks.dp > 1:
             count = to_comm(torch.tensor([len(plan)], dtype=torch.int64), group_backend(self.ranks.dp_group))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ranks.dp_group)
-            plan = split_to_count(plan, batch.seqlens().tolist(), int(count.cpu()))
+            busiest = int(count.cpu())
+            plan = split_to_count(plan, batch.seqlens().tolist(), busiest)
             mbs = [batch.select(idx) for idx in plan]
             shortest = int(torch.argmin(batch.seqlens()))
-            return mbs + [batch.select([shortest]) for _ in range(int(count.cpu()) - len(plan))], plan
+            return mbs + [batch.select([shortest]) for _ in range(busiest - len(plan))], plan
         return [batch.select(idx) for idx in plan], plan
 
     def _run_schedule(self, mbs: list[PackedBatch], forward_only: bool,

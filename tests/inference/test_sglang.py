@@ -338,3 +338,18 @@ def test_train_and_eval_with_sglang_servers(tmp_path) -> None:
     with open(tmp_path / "eval" / "per_problem.jsonl", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
     assert len(rows) == 20 and all("correct" in r for r in rows)
+
+
+def test_routed_experts_wire_format_is_sglangs_own() -> None:
+    """Our encoder against the pinned SGLang's own decoder of ``meta_info["routed_experts"]``
+    (``sglang/srt/state_capturer/routed_experts.py:166-173``: int32), and the reverse."""
+    import numpy as np
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    from realscale.inference.dialect import decode_routed_experts, encode_routed_experts
+
+    rows = np.random.default_rng(0).integers(0, 128, (9, 3, 8)).astype(np.int32)
+    text = encode_routed_experts(rows)
+    assert np.array_equal(extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": text}}),
+                          rows.reshape(-1))
+    assert np.array_equal(decode_routed_experts(text), rows.reshape(-1))

@@ -29,6 +29,11 @@ and what it refused, by reason. Layouts:
   calls with ``fn_name``), kept in the forms the code reward judges
   (:func:`realscale.reward.code_tests.parse_tests`); tests it could not read are refused.
 - ``recipe``: rows already in the recipe format (checked, passed through).
+- ``gym``: rows a reasoning-gym generator makes (:func:`read_gym`: ``question``, ``answer``,
+  the gym's ``metadata``), written as plain recipe rows scored by the math reward (the
+  generator's settings stay in ``metadata.reasoning_gym``). Unlike a ``gym:<task>`` source,
+  a file fixes the problems and its held-out split: repeated questions are refused, so no
+  held-out problem is ever trained on, and the run does not need reasoning-gym installed.
 
 ``detect_format`` picks the layout from the first readable row's keys. Readers: JSONL,
 a JSON array, Parquet, and TOML files (one row per file; a directory of them counts as
@@ -53,7 +58,7 @@ from realscale.reward.code_tests import parse_tests
 from realscale.reward.math_extract import last_boxed
 from realscale.errors import UserError
 
-FORMATS = ("gsm8k", "math", "deepscaler", "aime", "areal", "code", "recipe")
+FORMATS = ("gsm8k", "math", "deepscaler", "aime", "areal", "code", "recipe", "gym")
 TARGETS = ("rl", "sft")
 
 Record = dict[str, Any]
@@ -361,10 +366,54 @@ def convert_recipe(row: dict[str, Any], target: str) -> Converted:
     return (norm, "") if norm is not None else (None, why)
 
 
+def convert_gym(row: dict[str, Any], target: str) -> Converted:
+    question, answer = _text(row, "question"), _answer_value(row.get("answer"))
+    if question is None or answer is None:
+        return None, "no question or answer"
+    if target == "sft":
+        return {"prompt": question, "response": answer}, ""
+    return {"prompt": question, "answer": answer, "metadata": {"reasoning_gym": row.get("metadata", {})}}, ""
+
+
 CONVERTERS: dict[str, Callable[..., Converted]] = {
     "gsm8k": convert_gsm8k, "math": convert_math, "deepscaler": convert_math, "aime": convert_aime,
-    "areal": convert_areal, "code": convert_code, "recipe": convert_recipe,
+    "areal": convert_areal, "code": convert_code, "recipe": convert_recipe, "gym": convert_gym,
 }
+
+
+def parse_gym_options(items: list[str]) -> dict[str, Any]:
+    """``["min_terms=2", "ops=+"]`` -> ``{"min_terms": 2, "ops": "+"}`` (values read as JSON when they parse)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConvertError(f"--option {item!r}: expected name=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def read_gym(task: str, size: int, seed: int, options: dict[str, Any]) -> Iterator[tuple[int, Any, str]]:
+    """``size`` problems of a reasoning-gym task, the generator seeded by ``seed`` and configured by ``options``."""
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise ConvertError("realscale data gym needs reasoning-gym (pip install reasoning-gym)") from None
+    if task not in DATASETS:
+        raise ConvertError(f"unknown reasoning-gym task {task!r}; {len(DATASETS)} exist, e.g. {', '.join(sorted(DATASETS)[:5])}")
+    if size < 1:
+        raise ConvertError(f"--size must be >= 1, got {size}")
+    try:
+        data = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
+    except (TypeError, ValueError, AssertionError) as exc:  # the gym's config checks raise these
+        raise ConvertError(f"reasoning-gym {task} refused the options {options}: {exc}") from None
+    for i in range(size):
+        entry = data[i]
+        # tuples in the gym's metadata (difficulty ranges) become lists, as JSON writes them
+        yield i + 1, json.loads(json.dumps(entry, default=str)), ""
 
 
 def detect_format(row: Any, has_id2info: bool = False) -> str:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from realscale.data.dataset import PromptDataset, PromptSample
 from realscale.data.tokens import prompt_ids
-from realscale.eval.metrics import aggregate, answer_key, pass_at_k
+from realscale.eval.metrics import aggregate, answer_key, paired_difference, pass_at_k
 from realscale.inference.client import InferenceClient
 from realscale.models.tiny import resolve_model_path
 from realscale.reward.math_extract import extract_answer
@@ -92,7 +92,9 @@ class BenchmarkResult:
         rows = [("model", self.model), ("data", f"{self.data} ({self.num_problems} problems)"),
                 ("sampling", f"n={self.samples}, T={self.temperature:g}, top-p={self.top_p:g}, "
                              f"max {self.max_new_tokens} new tokens")]
-        rows += [(name, f"{100 * value:.1f}%") for name, value in self.metrics.items()]
+        rows += [(name, f"{100 * value:.1f}%" + (f" ± {100 * self.metrics[name + '_ci95']:.1f}% (95%)"
+                                                  if name + "_ci95" in self.metrics else ""))
+                 for name, value in self.metrics.items() if not name.endswith("_ci95")]
         rows += [("answers cut at max tokens", f"{100 * self.truncated:.1f}%"),
                  ("tokens generated", f"{self.output_tokens} in {self.seconds:.0f} s "
                                       f"({self.output_tokens / max(self.seconds, 1e-9):.0f} tok/s)"),
@@ -238,6 +240,31 @@ def _finish(model_dir: str, problems: list["PromptSample"], results: list[list[A
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(asdict(result), fh, indent=1)
     return result
+
+
+def read_per_problem(out_dir: str) -> dict[str, list[bool]] | None:
+    """``uid -> verdicts`` from an evaluation's ``per_problem.jsonl`` (None when there is none)."""
+    path = os.path.join(out_dir, "per_problem.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return {row["uid"]: row["correct"] for row in map(json.loads, fh)}
+
+
+def paired_change(before_dir: str, after_dir: str) -> tuple[str, float, float] | None:
+    """``("avg@n", after - before, 95% half-width)`` of two evaluations of the same problems,
+    paired per problem (:func:`realscale.eval.metrics.paired_difference`); None unless both
+    evaluations exist and scored the same problems with the same n."""
+    before, after = read_per_problem(before_dir), read_per_problem(after_dir)
+    if not before or not after or before.keys() != after.keys():
+        return None
+    n = {len(v) for v in (*before.values(), *after.values())}
+    if len(n) != 1:
+        return None
+    uids = sorted(before)
+    diff, half = paired_difference([sum(before[u]) / len(before[u]) for u in uids],
+                                   [sum(after[u]) / len(after[u]) for u in uids])
+    return f"avg@{n.pop()}", diff, half
 
 
 def settings_from_config(cfg: "Config", data: str | None = None) -> BenchmarkSettings:

@@ -8,10 +8,16 @@
 - **maj@n** — majority voting: the most frequent extracted answer of the ``n`` samples
   (ties go to the answer seen first; samples with no answer do not vote) is the problem's
   answer; the problem counts when that answer was judged right.
+- **intervals** — problems, not answers, are the sampling unit (answers to one problem are
+  correlated), so avg@n's 95% interval is the normal interval of the mean of the
+  per-problem accuracies ``c / n``: ``1.96 * sd / sqrt(problems)``; two evaluations of the
+  same problems compare by the paired per-problem differences (:func:`paired_difference`),
+  which removes the problems' own spread of difficulty.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -53,16 +59,39 @@ def majority_correct(keys: Sequence[str | None], correct: Sequence[bool]) -> boo
     return bool(correct[list(keys).index(winner)])
 
 
+Z95 = 1.959963984540054  # the normal distribution's two-sided 95% point
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float]:
+    """``(mean, half-width of its 95% interval)`` of per-problem values (half-width 0 for one value)."""
+    if not values:
+        raise ValueError("mean_interval: no values")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, Z95 * math.sqrt(var / len(values))
+
+
+def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
+    """``(mean of after - before, half-width of its 95% interval)`` over the same problems."""
+    if len(before) != len(after):
+        raise ValueError(f"paired_difference: {len(before)} problems before, {len(after)} after")
+    return mean_interval([a - b for a, b in zip(after, before)])
+
+
 def aggregate(correct: Sequence[Sequence[bool]], keys: Sequence[Sequence[str | None]] | None,
               ks: Sequence[int]) -> dict[str, float]:
-    """Benchmark scores over problems: ``avg@n``, ``pass@k`` for each k, ``maj@n`` (when
-    ``keys`` are given). Every problem must have the same number of samples n."""
+    """Benchmark scores over problems: ``avg@n`` and its 95% interval's half-width
+    ``avg@n_ci95``, ``pass@k`` for each k, ``maj@n`` (when ``keys`` are given). Every
+    problem must have the same number of samples n."""
     if not correct:
         raise ValueError("aggregate: no problems")
     n = len(correct[0])
     if any(len(c) != n for c in correct):
         raise ValueError("aggregate: problems have different numbers of samples")
-    out = {f"avg@{n}": sum(sum(c) / n for c in correct) / len(correct)}
+    avg, half = mean_interval([sum(c) / n for c in correct])
+    out = {f"avg@{n}": avg, f"avg@{n}_ci95": half}
     for k in sorted(set(ks)):
         out[f"pass@{k}"] = sum(pass_at_k(n, sum(c), k) for c in correct) / len(correct)
     if keys is not None:

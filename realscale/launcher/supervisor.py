@@ -27,6 +27,7 @@ from typing import Any, Callable
 from realscale.config import Config, run_dir, save_config
 from realscale.errors import LaunchError
 from realscale.eval import evaluate_heldout
+from realscale.eval.benchmark import paired_change
 from realscale.inference.sglang_launcher import check_sglang_version
 from realscale.launcher import Backend, backend_for, clear_stop, ranks_backend, request_stop, served, stop_reason
 from realscale.metrics import MetricsLogger, plot_run, summary_text
@@ -124,10 +125,15 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     extra["disk use"] = (f"{_size(disk['disk/run_bytes'])} (checkpoints {_size(disk['disk/checkpoints_bytes'])}, "
                          f"weight versions {_size(disk['disk/weights_bytes'])}; {_size(disk['disk/free_bytes'])} free)")
     for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
-        if kind.startswith("tool_use_"):
+        if kind.startswith("tool_use_") or kind.endswith("_ci95"):
             continue
         label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
         extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
+        if f"{kind}_ci95" in (acc_end or {}):
+            extra[label] += f" (± {_pct(acc_end[f'{kind}_ci95'])} at 95%)"
+    change = paired_change(os.path.join(out_dir, "eval_start"), os.path.join(out_dir, "eval_final"))
+    if change is not None:
+        extra[f"held-out {change[0]} change (paired)"] = f"{100 * change[1]:+.1f} ± {100 * change[2]:.1f} points (95%)"
         if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
             extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
                                                           f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")

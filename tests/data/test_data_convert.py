@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from realscale.data.convert import (ConvertError, convert_file, convert_rows, detect_format, split_heldout,
-                                    unwrap_chat_markup)
+from realscale.data.convert import (ConvertError, convert_file, convert_rows, detect_format, parse_gym_options,
+                                    split_heldout, unwrap_chat_markup)
 from realscale.data.dataset import PromptDataset
 
 
@@ -140,3 +140,42 @@ def test_output_reads_as_a_dataset_and_heldout_is_disjoint(tmp_path: Path) -> No
     assert bad.returncode == 2 and "input not found" in bad.stderr
     with pytest.raises(ConvertError, match="--heldout 5"):
         split_heldout([{}] * 5, 5, 0)
+
+
+def test_gym_task_to_a_fixed_file_with_a_disjoint_heldout(tmp_path: Path) -> None:
+    """``realscale data gym``: reasoning-gym's own generator (the real package), repeats
+    refused so that no held-out question is trained on; the shipped chain_sum files are
+    what the recipe's command makes."""
+    pytest.importorskip("reasoning_gym")
+    out = tmp_path / "cs.jsonl"
+    args = ["chain_sum", "--size", "400", "--option", "min_terms=2", "--option", "max_terms=2",
+            "--option", "min_digits=1", "--option", "max_digits=1", "--heldout", "20", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "realscale", "data", "gym", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused" in proc.stdout and "duplicate prompt" in proc.stdout  # 1-digit pairs repeat within 400 draws
+    train = PromptDataset(str(out), shuffle=False, num_epochs=1)
+    held = PromptDataset(str(tmp_path / "cs.heldout.jsonl"), shuffle=False, num_epochs=1)
+    assert len(held.samples) == 20 and train.stats["skipped"] == 0
+    prompts = [s.prompt for s in train.samples]
+    assert len(set(prompts)) == len(prompts) and not set(prompts) & {s.prompt for s in held.samples}
+    for s in train.samples:  # the gym's answer is the expression's value (checked, not trusted)
+        expr = s.metadata["reasoning_gym"]["expression"]
+        assert s.prompt.endswith(f"{expr} =") and int(s.answer) == eval(expr)  # noqa: S307 - "a + b" from the gym
+        assert "gym_task" not in s.metadata  # scored by the math reward, like the held-out evaluation
+
+    bad = subprocess.run([sys.executable, "-m", "realscale", "data", "gym", "chain_sum", "--size", "5", "--option",
+                          "min_trms=2", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "min_trms" in bad.stderr
+    with pytest.raises(ConvertError, match="expected name=value"):
+        parse_gym_options(["min_terms"])
+    assert parse_gym_options(["min_terms=2", "name=abc", "x=1.5"]) == {"min_terms": 2, "name": "abc", "x": 1.5}
+
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "data"
+    remade = tmp_path / "remade.jsonl"
+    subprocess.run([sys.executable, "-m", "realscale", "data", "gym", "chain_sum", "--size", "2600",
+                    "--option", "min_terms=2", "--option", "max_terms=2", "--option", "min_digits=1",
+                    "--option", "max_digits=2", "--heldout", "300", "--seed", "0", "--out", str(remade)],
+                   check=True, capture_output=True, timeout=300)
+    assert remade.read_text() == (shipped / "chain_sum.jsonl").read_text()
+    assert (tmp_path / "remade.heldout.jsonl").read_text() == (shipped / "chain_sum.heldout.jsonl").read_text()

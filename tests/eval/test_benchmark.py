@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from realscale.config import load_config
+from realscale.eval.benchmark import paired_change
+from realscale.eval.metrics import mean_interval
 
 pytestmark = pytest.mark.multiproc
 
@@ -71,6 +73,21 @@ def test_benchmark_through_a_server_scores_known_answers(bench) -> None:
     # larger than the benchmark), and the peak is logged
     assert summary["inflight_server_peak"] == summary["inflight_peak"] == 2 * len(rows), summary
     assert "requests in flight (peak)" in proc.stdout
+    # the interval is over problems (right / wrong alternate), and printed beside avg@n
+    per = [1.0 if i % 2 == 0 else 0.0 for i in range(len(rows))]
+    assert summary["metrics"]["avg@2_ci95"] == pytest.approx(mean_interval(per)[1]) > 0
+    assert f"± {100 * summary['metrics']['avg@2_ci95']:.1f}% (95%)" in proc.stdout
+    # paired against itself: no change, no width; against a copy where one wrong problem
+    # became right twice: +1/problems
+    assert paired_change(str(out / "ev"), str(out / "ev")) == ("avg@2", 0.0, 0.0)
+    records[1]["correct"] = [True, True]
+    (out / "ev2").mkdir()
+    (out / "ev2" / "per_problem.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    name, diff, half = paired_change(str(out / "ev"), str(out / "ev2"))
+    assert (name, diff) == ("avg@2", pytest.approx(1 / len(rows))) and half > 0
+    (out / "ev2" / "per_problem.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[1:]))
+    assert paired_change(str(out / "ev"), str(out / "ev2")) is None  # not the same problems
+    assert paired_change(str(out / "ev"), str(out / "nowhere")) is None
 
 
 def test_eval_refuses_bad_settings(bench) -> None:

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from realscale.eval.metrics import aggregate, answer_key, majority_correct, pass_at_k
+from realscale.eval.metrics import (Z95, aggregate, answer_key, majority_correct, mean_interval,
+                                    paired_difference, pass_at_k)
 
 
 @pytest.mark.parametrize("n,c,k,want", [
@@ -59,3 +60,24 @@ def test_aggregate_over_problems() -> None:
     assert got["maj@4"] == pytest.approx(1 / 3)  # only the second problem's majority ("5") is right
     with pytest.raises(ValueError):
         aggregate([[True], [True, False]], None, [1])
+
+
+def test_intervals_over_problems() -> None:
+    """avg@n's interval treats problems as the unit: hand-computed sd / sqrt(problems)."""
+    correct = [[True, False, False, False], [True, True, True, False], [False] * 4]
+    got = aggregate(correct, None, ks=[1])
+    per = [0.25, 0.75, 0.0]
+    mean = sum(per) / 3
+    sd = math.sqrt(sum((p - mean) ** 2 for p in per) / 2)
+    assert got["avg@4_ci95"] == pytest.approx(Z95 * sd / math.sqrt(3))
+    assert Z95 == pytest.approx(1.96, abs=1e-3)
+    assert mean_interval([0.5]) == (0.5, 0.0)
+    with pytest.raises(ValueError):
+        mean_interval([])
+    # pairing removes the problems' own spread: a uniform gain of 0.25 has no width at all,
+    # while the unpaired intervals of the two evaluations are wide
+    before, after = [0.0, 0.25, 0.5, 0.75], [0.25, 0.5, 0.75, 1.0]
+    assert paired_difference(before, after) == (pytest.approx(0.25), pytest.approx(0.0))
+    assert mean_interval(before)[1] > 0.25
+    with pytest.raises(ValueError, match="3 problems before, 2 after"):
+        paired_difference([0.0] * 3, [0.0] * 2)

@@ -30,12 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gym.add_argument("--heldout", type=int, default=0,
                      help="also write this many problems, drawn at random, to <out stem>.heldout.jsonl (not in --out)")
     gym.add_argument("--seed", type=int, default=0, help="seed of the generator and of the held-out draw")
+    gym.add_argument("--instruction", default="", help="text appended to every prompt after a blank line")
 
 
 def run(args: argparse.Namespace) -> int:
     from realscale.cli import UsageError
-    from realscale.data.convert import (ConvertError, convert_file, convert_rows, heldout_path, parse_gym_options,
-                                        read_gym, split_heldout, write_records)
+    from realscale.data.convert import (ConvertError, add_instruction, convert_file, convert_rows, heldout_path,
+                                        parse_gym_options, read_gym, split_heldout, write_records)
 
     source = args.input if args.action == "convert" else f"reasoning-gym {args.task}"
     try:
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             rows = read_gym(args.task, args.size, args.seed, parse_gym_options(args.option))
             records, report = convert_rows(rows, "gym")
+            records = add_instruction(records, args.instruction)
         if not records:
             raise ConvertError(f"{source}: no row could be converted\n{report.summary()}")
         train, held = split_heldout(records, args.heldout, args.seed)

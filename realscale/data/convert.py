@@ -486,11 +486,16 @@ def convert_file(path: str, fmt: str = "auto", target: str = "rl", id2info_path:
             raise ConvertError(f"{path}: no readable row to detect the format from")
         fmt = detect_format(first, id2info is not None)
     records, report = convert_rows(read_rows(path), fmt, target, id2info)
+    return add_instruction(records, instruction), report
+
+
+def add_instruction(records: list[Record], instruction: str) -> list[Record]:
+    """``instruction`` appended to every prompt after a blank line (none: unchanged)."""
     if instruction:
         for rec in records:
             if "prompt" in rec:
                 rec["prompt"] = f"{rec['prompt']}\n\n{instruction}"
-    return records, report
+    return records
 
 
 def split_heldout(records: list[Record], heldout: int, seed: int) -> tuple[list[Record], list[Record]]:

@@ -175,7 +175,8 @@ def test_gym_task_to_a_fixed_file_with_a_disjoint_heldout(tmp_path: Path) -> Non
     remade = tmp_path / "remade.jsonl"
     subprocess.run([sys.executable, "-m", "realscale", "data", "gym", "chain_sum", "--size", "2600",
                     "--option", "min_terms=2", "--option", "max_terms=2", "--option", "min_digits=1",
-                    "--option", "max_digits=2", "--heldout", "300", "--seed", "0", "--out", str(remade)],
+                    "--option", "max_digits=2", "--heldout", "300", "--seed", "0", "--instruction",
+                    "Give only the final number.", "--out", str(remade)],
                    check=True, capture_output=True, timeout=300)
     assert remade.read_text() == (shipped / "chain_sum.jsonl").read_text()
     assert (tmp_path / "remade.heldout.jsonl").read_text() == (shipped / "chain_sum.heldout.jsonl").read_text()

@@ -98,7 +98,7 @@ def plot(result: dict, path: str) -> None:
     ax.errorbar(steps, acc, yerr=err, marker="o", capsize=4, label="held-out sampled accuracy (avg@n, 95% interval)")
     if result["train_reward"]:
         s, r = zip(*result["train_reward"])
-        ax.plot(s, [100 * x for x in r], alpha=0.5, label="training reward (batch mean)")
+        ax.plot(s, [100 * x for x in r], alpha=0.5, label="training reward (batch mean, after the all-equal filter)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("%")
     ax.set_title(f"{os.path.basename(result['run'].rstrip('/'))}: {result['problems']} held-out problems")

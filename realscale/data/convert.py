@@ -43,6 +43,7 @@ package are read).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -403,7 +404,9 @@ def read_gym(task: str, size: int, seed: int, options: dict[str, Any]) -> Iterat
     except ImportError:
         raise ConvertError("realscale data gym needs reasoning-gym (pip install reasoning-gym)") from None
     if task not in DATASETS:
-        raise ConvertError(f"unknown reasoning-gym task {task!r}; {len(DATASETS)} exist, e.g. {', '.join(sorted(DATASETS)[:5])}")
+        close = difflib.get_close_matches(task, list(DATASETS), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"{len(DATASETS)} exist"
+        raise ConvertError(f"unknown reasoning-gym task {task!r}; {hint}")
     if size < 1:
         raise ConvertError(f"--size must be >= 1, got {size}")
     try:

@@ -124,19 +124,7 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     disk = disk_usage(out_dir)
     extra["disk use"] = (f"{_size(disk['disk/run_bytes'])} (checkpoints {_size(disk['disk/checkpoints_bytes'])}, "
                          f"weight versions {_size(disk['disk/weights_bytes'])}; {_size(disk['disk/free_bytes'])} free)")
-    for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
-        if kind.startswith("tool_use_") or kind.endswith("_ci95"):
-            continue
-        label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
-        extra[label] = f"{_pct((acc_start or {}).get(kind))} -> {_pct((acc_end or {}).get(kind))}"
-        if f"{kind}_ci95" in (acc_end or {}):
-            extra[label] += f" (± {_pct(acc_end[f'{kind}_ci95'])} at 95%)"
-    change = paired_change(os.path.join(out_dir, "eval_start"), os.path.join(out_dir, "eval_final"))
-    if change is not None:
-        extra[f"held-out {change[0]} change (paired)"] = f"{100 * change[1]:+.1f} ± {100 * change[2]:.1f} points (95%)"
-        if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
-            extra[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
-                                                          f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
+    extra.update(accuracy_lines(acc_start, acc_end, out_dir))
     if acc_end is not None:
         log = MetricsLogger(out_dir, 0, progress=False)
         record = {f"eval/{k}": v for k, v in acc_end.items()}
@@ -150,6 +138,34 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
         json.dump({"accuracy_start": acc_start, "accuracy_end": acc_end, "seconds": time.time() - t0,
                    "staleness_hist": hist, "disk": disk}, fh, indent=1)
     return 0
+
+
+def accuracy_lines(acc_start: dict[str, float] | None, acc_end: dict[str, float] | None,
+                   out_dir: str) -> dict[str, str]:
+    """The summary's held-out lines: each score before -> after (with its 95% interval when the
+    evaluation gave one), the calculator use of multi-turn runs, and the paired change of
+    avg@n when both evaluations left per-problem records (``<run>/eval_start``, ``eval_final``)."""
+    lines: dict[str, str] = {}
+    for kind in dict.fromkeys([*(acc_start or {}), *(acc_end or {})]):
+        if kind.startswith("tool_use_") or kind.endswith("_ci95"):
+            continue
+        label = f"held-out accuracy ({kind})" if kind in ("greedy", "sampled") else f"held-out {kind}"
+        lines[label] = f"{_with_ci(acc_start, kind)} -> {_with_ci(acc_end, kind)}"
+        if acc_start and f"tool_use_{kind}" in acc_start:  # multi-turn: episodes the calculator answered in
+            lines[f"held-out calculator use ({kind})"] = (f"{_pct(acc_start[f'tool_use_{kind}'])} -> "
+                                                          f"{_pct(acc_end and acc_end.get(f'tool_use_{kind}'))}")
+    change = paired_change(os.path.join(out_dir, "eval_start"), os.path.join(out_dir, "eval_final"))
+    if change is not None:
+        name, diff, half = change
+        lines[f"held-out {name} change (paired)"] = f"{100 * diff:+.1f} ± {100 * half:.1f} points (95%)"
+    return lines
+
+
+def _with_ci(acc: dict[str, float] | None, kind: str) -> str:
+    """``"42.2%"``, or ``"42.2% ± 5.4"`` where the evaluation gave a 95% interval."""
+    text = _pct((acc or {}).get(kind))
+    half = (acc or {}).get(f"{kind}_ci95")
+    return text if half is None else f"{text} ± {100 * half:.1f}"
 
 
 def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], dict[str, float] | None]:

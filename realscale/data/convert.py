@@ -43,7 +43,6 @@ package are read).
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -54,7 +53,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from realscale.data.dataset import check_row, read_jsonl, read_parquet
+from realscale.data.dataset import check_row, gym_dataset, read_jsonl, read_parquet
 from realscale.reward.code_tests import parse_tests
 from realscale.reward.math_extract import last_boxed
 from realscale.errors import UserError
@@ -398,21 +397,7 @@ def parse_gym_options(items: list[str]) -> dict[str, Any]:
 
 def read_gym(task: str, size: int, seed: int, options: dict[str, Any]) -> Iterator[tuple[int, Any, str]]:
     """``size`` problems of a reasoning-gym task, the generator seeded by ``seed`` and configured by ``options``."""
-    try:
-        import reasoning_gym
-        from reasoning_gym.factory import DATASETS
-    except ImportError:
-        raise ConvertError("realscale data gym needs reasoning-gym (pip install reasoning-gym)") from None
-    if task not in DATASETS:
-        close = difflib.get_close_matches(task, list(DATASETS), n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else f"{len(DATASETS)} exist"
-        raise ConvertError(f"unknown reasoning-gym task {task!r}; {hint}")
-    if size < 1:
-        raise ConvertError(f"--size must be >= 1, got {size}")
-    try:
-        data = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
-    except (TypeError, ValueError, AssertionError) as exc:  # the gym's config checks raise these
-        raise ConvertError(f"reasoning-gym {task} refused the options {options}: {exc}") from None
+    data = gym_dataset(task, size, seed, options)
     for i in range(size):
         entry = data[i]
         # tuples in the gym's metadata (difficulty ranges) become lists, as JSON writes them

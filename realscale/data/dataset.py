@@ -111,19 +111,29 @@ def read_parquet(path: str) -> Iterator[tuple[int, Any, str]]:
         yield i, row, ""
 
 
-def _gym_rows(task: str, size: int, seed: int) -> list[PromptSample]:
+def gym_dataset(task: str, size: int, seed: int, options: dict[str, Any] | None = None) -> Any:
+    """reasoning-gym's generator of ``task`` (``size`` problems, seeded; ``options``: its
+    settings), or a DatasetError naming what was wrong (not installed, unknown task, bad size
+    or settings)."""
     try:
         import reasoning_gym
         from reasoning_gym.factory import DATASETS
     except ImportError:
-        raise DatasetError("gym: sources need reasoning-gym (pip install reasoning-gym)") from None
+        raise DatasetError("reasoning-gym tasks need reasoning-gym (pip install reasoning-gym)") from None
     if task not in DATASETS:
         close = difflib.get_close_matches(task, list(DATASETS), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; {len(DATASETS)} tasks exist"
         raise DatasetError(f"unknown reasoning-gym task '{task}'{hint}")
     if size < 1:
         raise DatasetError(f"gym:{task}: size must be >= 1, got {size}")
-    data = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    try:
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **(options or {}))
+    except (TypeError, ValueError, AssertionError) as exc:  # the gym's config checks raise these
+        raise DatasetError(f"reasoning-gym {task} refused the settings {options}: {exc}") from None
+
+
+def _gym_rows(task: str, size: int, seed: int) -> list[PromptSample]:
+    data = gym_dataset(task, size, seed)
     out = []
     for i in range(size):
         entry = data[i]

@@ -25,8 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cli import run_realscale  # noqa: E402
-from realscale.eval.benchmark import read_per_problem  # noqa: E402
-from realscale.eval.metrics import mean_interval, paired_difference  # noqa: E402
+from realscale.eval.benchmark import paired_change, per_problem_accuracy, read_per_problem  # noqa: E402
+from realscale.eval.metrics import mean_interval  # noqa: E402
 from realscale.metrics import read_metrics  # noqa: E402
 from realscale.train.checkpoint import EXPORTS  # noqa: E402
 
@@ -52,13 +52,6 @@ def _score(run_dir: str, step: int, model_dir: str, config: str, servers: int) -
     return out
 
 
-def _per_problem_accuracy(eval_dir: str) -> dict[str, float]:
-    verdicts = read_per_problem(eval_dir)
-    if not verdicts:
-        raise SystemExit(f"smollm2_curve: no per_problem.jsonl under {eval_dir}")
-    return {uid: sum(v) / len(v) for uid, v in verdicts.items()}
-
-
 def curve(run_dir: str, config: str, servers: int) -> dict:
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     total = max((int(r["step"]) for r in records if "step" in r), default=0)
@@ -66,23 +59,22 @@ def curve(run_dir: str, config: str, servers: int) -> dict:
     points += [(step, _score(run_dir, step, path, config, servers)) for step, path in _exports(run_dir)
                if step < total]
     points.append((total, os.path.join(run_dir, "eval_final")))
-    start = _per_problem_accuracy(points[0][1])
-    uids = sorted(start)
     # the trainer's clock: each step's record time, from the start of step 1
     timed = [r for r in records if "time" in r and "perf/step_s" in r]
     t0 = float(timed[0]["time"]) - float(timed[0]["perf/step_s"]) if timed else 0.0
     wall = {int(r["step"]): float(r["time"]) - t0 for r in timed}
     rows = []
     for step, eval_dir in points:
-        acc = _per_problem_accuracy(eval_dir)
-        if sorted(acc) != uids:
-            raise SystemExit(f"smollm2_curve: {eval_dir} scored other problems than {points[0][1]}")
-        mean, half = mean_interval([acc[u] for u in uids])
-        diff, diff_half = paired_difference([start[u] for u in uids], [acc[u] for u in uids])
+        acc = per_problem_accuracy(eval_dir)
+        change = paired_change(points[0][1], eval_dir)
+        if acc is None or change is None:
+            raise SystemExit(f"smollm2_curve: {eval_dir} has no per_problem.jsonl, or scored other problems "
+                             f"(or another number of answers each) than {points[0][1]}")
+        mean, half = mean_interval(list(acc.values()))
         rows.append({"step": step, "elapsed_s": wall.get(step, 0.0 if step == 0 else None), "eval_dir": eval_dir,
-                     "accuracy": mean, "ci95": half, "change_vs_start": diff, "change_ci95": diff_half})
+                     "accuracy": mean, "ci95": half, "change_vs_start": change[1], "change_ci95": change[2]})
     reward = [(int(r["step"]), float(r["reward/mean"])) for r in records if "reward/mean" in r and "step" in r]
-    return {"run": run_dir, "config": config, "problems": len(uids), "points": rows, "train_reward": reward}
+    return {"run": run_dir, "config": config, "problems": len(acc), "points": rows, "train_reward": reward}
 
 
 def plot(result: dict, path: str) -> None:

@@ -251,6 +251,12 @@ def read_per_problem(out_dir: str) -> dict[str, list[bool]] | None:
         return {row["uid"]: row["correct"] for row in map(json.loads, fh)}
 
 
+def per_problem_accuracy(out_dir: str) -> dict[str, float] | None:
+    """``uid -> fraction of its answers judged right`` from an evaluation's records (None when there are none)."""
+    verdicts = read_per_problem(out_dir)
+    return None if verdicts is None else {uid: sum(v) / len(v) for uid, v in verdicts.items()}
+
+
 def paired_change(before_dir: str, after_dir: str) -> tuple[str, float, float] | None:
     """``("avg@n", after - before, 95% half-width)`` of two evaluations of the same problems,
     paired per problem (:func:`realscale.eval.metrics.paired_difference`); None unless both

@@ -81,3 +81,22 @@ def test_recipe_takes_the_trainer_layout_from_a_plan(tmp_path) -> None:
     assert (cfg.generate.num_servers, cfg.generate.tp) == (gen.dp, gen.tp)
     with pytest.raises(ConfigError, match="file not found"):
         apply_plan(load_config(None, ["parallel.plan=/no/plan.yaml"]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_first_mini_batch_takes_its_proximal_logprobs_from_its_training_forward(mini_batches: int) -> None:
+    """No forward pass of its own for the first mini-batch's proximal log-probs (the weights
+    that train it are the proximal policy): the update, its statistics and the proximal
+    log-probs left on the shares equal the long way's, and one forward fewer ran."""
+    out = run_distributed(cases.first_share_shortcut, 1, resolve_model_path("tiny-qwen2"), mini_batches,
+                          timeout=300)[0]
+    assert out["shares"] == mini_batches
+    assert len(out["forwards"]) == mini_batches - 1  # the long way: one per mini-batch
+    for mine, theirs in zip(out["prox"], out["ref_prox"]):
+        assert torch.allclose(mine, theirs, atol=1e-6, rtol=0)
+    assert torch.allclose(out["after"], out["ref_after"], atol=1e-5, rtol=0)
+    assert out["stats"]["train/grad_norm"] > 0
+    for key in ("train/loss", "train/grad_norm", "train/pg_loss", "actor/behav_prox_gap", "actor/behav_prox_gap_max"):
+        a, b = out["stats"][key], out["ref_stats"][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (key, a, b)

@@ -118,3 +118,39 @@ def critic_steps(model_dir: str, tp: int, dp: int, steps: int, lam: float = 1.0,
             "advantages": whole.fields["advantages"],
             "returns": whole.fields["returns"], "rewards": batch.fields["rewards"],
             "loss_mask": batch.fields["loss_mask"], "cu_seqlens": batch.cu_seqlens}
+
+
+def first_share_shortcut(model_dir: str, mini_batches: int) -> dict[str, Any]:
+    """update_policy (the first mini-batch's proximal log-probs from its own training
+    forward) against the same update written out the long way on a second engine with the
+    same weights: every share's proximal log-probs by a forward pass of their own before
+    any step, then the same optimizer steps. The forward passes update_policy ran, the
+    proximal log-probs, the step's statistics and the log-probs after, of both."""
+    from realscale.config import load_config
+    from realscale.train import actor
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    cfg = load_config(None, ["optim.lr=1e-3", f"train.mini_batches={mini_batches}",
+                             "train.max_tokens_per_micro_batch=40"])
+    short = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    long = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    batch, _ = actor.groups_to_batch(synthetic_groups(short), cfg.algo)
+    whole = batch.select(list(range(batch.num_seqs)))
+    forwards = []
+    counted = short.logprobs
+    short.logprobs = lambda b, *a, **k: forwards.append(b.num_tokens) or counted(b, *a, **k)  # type: ignore[method-assign]
+    shares = scattered(short, cfg, batch)
+    stats = actor.update_policy(short, shares, cfg)
+    ref_shares = scattered(long, cfg, batch)
+    for share in ref_shares:
+        share.fields["prox_logprobs"] = long.logprobs(share)["logprobs"]
+    loss_fn, norm_fn = actor.ppo_loss_fn(cfg.algo), actor.normalizer_fn(cfg.algo)
+    ref_stats = {}
+    for share in ref_shares:
+        ref_stats = {f"train/{k}": v for k, v in long.train_step(share, loss_fn, norm_fn).items()}
+    ref_stats.update(actor.behaviour_gap(ref_shares))
+    return {"forwards": forwards, "stats": stats, "ref_stats": ref_stats,
+            "prox": [s.fields["prox_logprobs"] for s in shares],
+            "ref_prox": [s.fields["prox_logprobs"] for s in ref_shares],
+            "after": counted(whole)["logprobs"], "ref_after": long.logprobs(whole)["logprobs"],
+            "shares": len(shares)}

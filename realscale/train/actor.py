@@ -195,8 +195,10 @@ def ppo_loss_fn(algo: "AlgoConfig") -> "LossFn":
     def loss(logp: torch.Tensor, mb: PackedBatch, normalizer: torch.Tensor
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         f = {k: v.to(logp.device) for k, v in mb.fields.items()}  # on GPUs the fields come from CPU
-        return ppo_loss(logp, f["behav_logprobs"], f["advantages"], f["loss_mask"],
-                        logp_prox=f.get("prox_logprobs") if algo.decoupled else None,
+        prox = None
+        if algo.decoupled:  # no proximal field: this forward *is* the proximal policy's (update_policy)
+            prox = f["prox_logprobs"] if "prox_logprobs" in f else logp.detach()
+        return ppo_loss(logp, f["behav_logprobs"], f["advantages"], f["loss_mask"], logp_prox=prox,
                         logp_ref=f.get("ref_logprobs"),
                         cu_seqlens=mb.cu_seqlens if algo.loss_agg != "token_mean" else None,
                         normalizer=normalizer, **kwargs)
@@ -229,19 +231,16 @@ def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> 
         s.fields["advantages"] = normalize_by_moments(s.fields["advantages"], s.fields["loss_mask"], moments)
 
 
-def reference_kl(engine: "MegatronEngine", ref: "ReferenceEngine", shares: list[PackedBatch],
-                 algo: "AlgoConfig") -> dict[str, float]:
-    """Reference log-probs on every share, and the measured KL of the policy before this
-    step's update (the proximal log-probs; computed here when not decoupled)."""
-    from realscale.train.reference import add_ref_logprobs, measured_kl
-
-    add_ref_logprobs(ref, shares)
-    key = "prox_logprobs"
-    if not algo.decoupled:  # no proximal pass to reuse: one forward, for the measurement only
-        key = "policy_logprobs"
-        for share in shares:
-            share.fields[key] = engine.logprobs(share)["logprobs"]
-    return {"actor/kl_ref": measured_kl(shares, key, algo, engine.ranks)}
+def policy_before_update(engine: "MegatronEngine", shares: list[PackedBatch], algo: "AlgoConfig") -> str:
+    """The field of every share that holds the policy's log-probs before this step's
+    update, for the measured KL to the reference: the proximal log-probs when decoupled
+    (complete once the first share has trained, :func:`update_policy`), otherwise one
+    forward for the measurement only, here."""
+    if algo.decoupled:
+        return "prox_logprobs"
+    for share in shares:
+        share.fields["policy_logprobs"] = engine.logprobs(share)["logprobs"]
+    return "policy_logprobs"
 
 
 def behaviour_gap(shares: list[PackedBatch], world: bool = False) -> dict[str, float]:
@@ -280,22 +279,37 @@ def update_policy(engine: "MegatronEngine", shares: list[PackedBatch], cfg: "Con
     is updated after the actor. With a reference ``ref``, its log-probs enter the loss
     (``algo.kl_coef``) and the measured KL is reported (``actor/kl_ref``)."""
     r = engine.ranks
-    for share in shares:
-        if cfg.algo.decoupled:
+    for i, share in enumerate(shares):
+        # The first mini-batch is trained by the very weights its proximal log-probs describe
+        # (no optimizer step has run yet), so its training forward gives them: the loss takes
+        # them detached and no forward pass of their own runs (a quarter of the update's
+        # compute with one mini-batch); the others need the weights before the first step.
+        if cfg.algo.decoupled and i > 0:
             share.fields["prox_logprobs"] = engine.logprobs(share)["logprobs"]
         if critic is not None:
             gae_advantages(critic, share, cfg.algo)
-    kl_stats = reference_kl(engine, ref, shares, cfg.algo) if ref is not None else {}
-    if cfg.algo.decoupled:
-        kl_stats.update(behaviour_gap(shares, world=dist.is_initialized() and dist.get_world_size() > 1))
+    kl_key = None
+    if ref is not None:
+        from realscale.train.reference import add_ref_logprobs
+
+        add_ref_logprobs(ref, shares)
+        kl_key = policy_before_update(engine, shares, cfg.algo)
     if cfg.algo.normalize_adv_over_batch:
         normalize_over_batch(shares, r.dp_group if r.dp > 1 else None)
     loss_fn, norm_fn = ppo_loss_fn(cfg.algo), normalizer_fn(cfg.algo)
     step_stats: dict[str, float] = {}
-    for share in shares:
-        step_stats = engine.train_step(share, loss_fn, norm_fn)
+    for i, share in enumerate(shares):
+        kept: dict[str, torch.Tensor] | None = {} if cfg.algo.decoupled and i == 0 else None
+        step_stats = engine.train_step(share, loss_fn, norm_fn, keep=kept)
+        if kept is not None:
+            share.fields["prox_logprobs"] = kept["outputs"]
     stats = {f"train/{k}": v for k, v in step_stats.items()}
-    stats.update(kl_stats)
+    if kl_key is not None:
+        from realscale.train.reference import measured_kl
+
+        stats["actor/kl_ref"] = measured_kl(shares, kl_key, cfg.algo, r)
+    if cfg.algo.decoupled:
+        stats.update(behaviour_gap(shares, world=dist.is_initialized() and dist.get_world_size() > 1))
     if "train/kl" in stats:
         stats["actor/kl_loss"] = cfg.algo.kl_coef * stats["train/kl"]
     if critic is not None:

@@ -51,6 +51,7 @@ NormalizerFn = Callable[[PackedBatch], torch.Tensor]
 # Statistics that are a micro-batch's share of a loss term normalised over the global batch
 # (realscale.algo.losses, realscale.algo.value): the step's value is their sum, not their mean.
 SUMMED_STATS = frozenset({"loss", "pg_loss", "kl", "value_loss"})
+_KEPT = "_kept_outputs"  # train_step(keep=...): the forward's outputs, carried beside the loss's stats
 
 log = logging.getLogger(__name__)
 
@@ -492,13 +493,17 @@ class MegatronEngine:
         dist.broadcast(t, src=self.ranks.last_stage_rank, group=self.ranks.pp_group)
         return t.cpu()
 
-    def train_step(self, batch: PackedBatch, loss_fn: LossFn, normalizer_fn: NormalizerFn = masked_tokens
-                   ) -> dict[str, float]:
+    def train_step(self, batch: PackedBatch, loss_fn: LossFn, normalizer_fn: NormalizerFn = masked_tokens,
+                   keep: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of the batch (all ranks call it).
 
         ``loss_fn(logp, micro_batch, normalizer)`` returns (loss, stats) where ``logp``
         are the aligned per-token log-probs with gradient and ``normalizer`` is the
-        global total of ``normalizer_fn`` over every micro-batch and DP rank.
+        global total of ``normalizer_fn`` over every micro-batch and DP rank. With
+        ``keep`` (a dict), the forward's per-token outputs, detached, are stored there as
+        ``keep["outputs"]``: fp32 on the host, in the batch's token order, on every rank
+        of this replica (as :meth:`logprobs` returns them; the weights they describe are
+        those before this step).
         """
 
         if self.optimizer is None:
@@ -522,6 +527,8 @@ class MegatronEngine:
             loss, stats = loss_fn(lp, mb, normalizer.to(lp.device))
             reported = {k: v.detach().float().cpu() for k, v in stats.items()}
             reported["loss"] = loss.detach().float().cpu()
+            if keep is not None:
+                reported[_KEPT] = lp.detach().float().cpu()
             if id(mb) in fillers:  # runs forward and backward for the experts' exchanges only
                 return loss * 0.0, reported
             return loss * scale, reported
@@ -529,6 +536,11 @@ class MegatronEngine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = self._run_schedule(mbs, False, loss_of)[:len(plan)]
+        if keep is not None:
+            kept = torch.empty(batch.num_tokens, dtype=torch.float32)
+            if self.ranks.is_last_stage:
+                kept = self._unpermute(batch, plan, [r.pop(_KEPT) for r in results])
+            keep["outputs"] = self._from_last_stage(kept)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

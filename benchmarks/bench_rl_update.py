@@ -12,6 +12,15 @@ Same model, same batch, one process, one run; writes
 ``benchmarks/results/rl_update_budget.json``.
 
     python benchmarks/bench_rl_update.py [--budgets 512 2048 4096] [--reps 3]
+
+With ``--proximal RECIPE``, the recipe's update (its model, mini-batches and token budget;
+the batch shape from ``--seqs/--prompt/--response``) two ways, alternating, in one process:
+``shortcut``, what :func:`realscale.train.actor.update_policy` does (the first
+mini-batch's proximal log-probs from its own training forward), and ``own_forward``, what
+it did before (a forward pass for them first, every other step the same). Writes
+``benchmarks/results/rl_update_proximal_<recipe>.json``.
+
+    python benchmarks/bench_rl_update.py --proximal configs/smollm2_chain_sum_cpu.yaml --seqs 32 --prompt 45 --response 22
 """
 
 from __future__ import annotations
@@ -19,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
 
 from realscale.parallel.spawn import run_distributed
 
+LOAD_BEFORE = os.getloadavg()
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rl_update_budget.json")
 
 
@@ -86,6 +97,56 @@ def _rank(model_dir: str, budgets: list[int], reps: int, seqs: int, prompt: int,
     return out
 
 
+def _proximal_rank(recipe: str, model_dir: str, reps: int, seqs: int, prompt: int, response: int,
+                   threads: int) -> dict[str, list[float]]:
+    from realscale.config import load_config
+    from realscale.train.actor import split_for_dp, update_policy
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    torch.set_num_threads(threads)
+    cfg = load_config(recipe, [])
+    eng = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
+    batch = _batch(seqs, prompt, response)
+    out: dict[str, list[float]] = {"shortcut": [], "own_forward": []}
+    for rep in range(reps + 1):  # the first round warms up
+        for way in out:
+            shares = split_for_dp(batch, cfg.train.mini_batches, 1)[0]
+            t = time.perf_counter()
+            if way == "own_forward":  # present, the loss reads it: the update as it ran before
+                shares[0].fields["prox_logprobs"] = eng.logprobs(shares[0])["logprobs"]
+            update_policy(eng, shares, cfg)
+            if rep:
+                out[way].append(time.perf_counter() - t)
+    return out
+
+
+def proximal(args: argparse.Namespace) -> None:
+    from realscale.config import load_config
+    from realscale.models.tiny import resolve_model_path
+
+    path = load_config(args.proximal, []).model.path
+    model_dir = _tiny_model() if path == "sft" else resolve_model_path(path)  # sft: the recipe's warm start's shape
+    times = run_distributed(_proximal_rank, 1, args.proximal, model_dir, args.reps, args.seqs, args.prompt,
+                            args.response, args.threads, timeout=3600)[0]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{args.proximal}: {args.threads} thread(s), {args.seqs} sequences of {args.prompt} + {args.response} tokens, median of {args.reps}: "
+          f"shortcut {med['shortcut']:.2f} s, own forward {med['own_forward']:.2f} s per update "
+          f"({med['own_forward'] / med['shortcut']:.2f}x)")
+    name = os.path.splitext(os.path.basename(args.proximal))[0]
+    out = os.path.join(os.path.dirname(RESULTS), f"rl_update_proximal_{name}.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump({"seconds_per_update": times, "median": med, "args": vars(args), "model": model_dir,
+                   "load_average_before": LOAD_BEFORE}, fh, indent=1)
+
+
+def _tiny_model() -> str:
+    """The default recipe's model shape (its warm start's), random weights."""
+    from realscale.models.tiny import build_tiny_model
+
+    return build_tiny_model(os.path.join("runs", "bench_rl_update_model"), family="qwen2", hidden_size=128,
+                            num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, seed=0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096])
@@ -93,11 +154,13 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256, help="sequences per batch (32 prompts x 8 samples)")
     ap.add_argument("--prompt", type=int, default=24, help="prompt tokens (the chat template around '23+19=')")
     ap.add_argument("--response", type=int, default=17, help="response tokens (a worked answer)")
+    ap.add_argument("--proximal", metavar="RECIPE", help="time the proximal log-probs' shortcut on RECIPE instead")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--proximal: torch threads (1: what a trainer rank gets beside a server on two cores)")
     args = ap.parse_args()
-    from realscale.models.tiny import build_tiny_model
-
-    model_dir = build_tiny_model(os.path.join("runs", "bench_rl_update_model"), family="qwen2", hidden_size=128,
-                                 num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, seed=0)
+    if args.proximal:
+        return proximal(args)
+    model_dir = _tiny_model()
     times = run_distributed(_rank, 1, model_dir, args.budgets, args.reps, args.seqs, args.prompt, args.response,
                             timeout=1800)[0]
     best_dense = min(times["dense"].values())
@@ -108,7 +171,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"seconds_per_update": {impl: {str(k): v for k, v in t.items()} for impl, t in times.items()},
-                   "args": vars(args), "load_average_before": os.getloadavg()}, fh, indent=1)
+                   "args": vars(args), "load_average_before": LOAD_BEFORE}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -127,8 +127,51 @@ def worker_rank(parallel_config: ParallelConfig, rank_offset: int) -> int:
     return rank_offset + dp_rank * parallel_config.world_size + parallel_config.rank
 
 
+def repack_tied_head(model: torch.nn.Module) -> bool:
+    """Repack a tied output head's weight for vLLM-CPU's GEMM after an in-place reload;
+    whether it did.
+
+    vLLM-CPU packs every linear layer's weight when weights are loaded, the output head
+    too (``UnquantizedEmbeddingMethod.process_weights_after_loading`` ->
+    ``dispatch_cpu_unquantized_gemm``: vllm 0.32 ``model_executor/layers/vocab_parallel_embedding.py``
+    67-71, ``layers/utils.py`` 470-600, oneDNN's handle keeps its own copy). A tied head
+    shares the embedding's parameter, but no update names ``lm_head.weight``, so the
+    layer-wise reload never repacks it (vLLM's documented limitation 2,
+    ``model_loader/reload/__init__.py``): the new embedding reached the input while the
+    logits kept the old head (10 nats off the trainer's log-probs, measured:
+    tests/inference/test_vllm_tied.py). On GPUs the method packs nothing: left alone."""
+    from vllm.platforms import current_platform
+
+    head = getattr(model, "lm_head", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if not (current_platform.is_cpu() and tied and head is not None and hasattr(head, "quant_method")):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+def repack_tied_head_on_every_reload() -> None:
+    """vLLM's own in-place reload (``reload_weights``: the weights-from-disk path,
+    ``model_loader/reload/inplace.py`` 94-96) ends with the module-level
+    ``finalize_layerwise_reload``: wrapped once per process so that it repacks a tied head too."""
+    from vllm.model_executor.model_loader.reload import inplace
+
+    original = inplace.finalize_layerwise_reload
+    if getattr(original, "repacks_tied_head", False):
+        return
+
+    def finalize(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(model, *args, **kwargs)
+        repack_tied_head(model)
+
+    finalize.repacks_tied_head = True  # type: ignore[attr-defined]
+    inplace.finalize_layerwise_reload = finalize
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Worker side: join the trainer's gloo group, receive broadcasts, load them."""
+    """Worker side: join the trainer's gloo group, receive broadcasts, load them. Built in
+    every worker when the server starts, it also makes vLLM's reload from disk repack a
+    tied output head (:func:`repack_tied_head`)."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -139,6 +182,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: Any = None
         self.packed = True
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
+        repack_tied_head_on_every_reload()
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.packed = init_info.packed
@@ -155,6 +199,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_tied_head(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which has nothing to

@@ -75,7 +75,7 @@ from vllm.model_executor.model_loader.mtp_validation import (
     disable_mtp_completeness_check,
 )
 
-from realscale.inference.vllm_gloo import worker_rank
+from realscale.inference.vllm_gloo import repack_tied_head, repack_tied_head_on_every_reload, worker_rank
 from realscale.inference.weight_sync import destroy_group, new_group
 from realscale.parallel.device import check_comm, comm_empty, to_comm
 
@@ -287,6 +287,11 @@ class GlooM2NWeightTransferEngine(M2NWeightTransferEngine):
         super().__init__(*args, **kwargs)
         self._src_meshes: list[M2NMesh] = []
         self._rank = -1
+        repack_tied_head_on_every_reload()
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        repack_tied_head(self.model)  # vLLM-CPU keeps a tied head's old packed copy otherwise
 
     def init_transfer_engine(self, init_info: GlooM2NWeightTransferInitInfo) -> None:  # type: ignore[override]
         # m2n_engine.py:195-327 with gloo for NCCL; the checks are vLLM's helpers

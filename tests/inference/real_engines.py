@@ -106,6 +106,28 @@ def _split(lp: torch.Tensor, seqs: list[list[int]]) -> list[list[float]]:
     return out
 
 
+def tiny_tied_model(path: str, seed: int) -> str:
+    """:func:`tiny_model` with its output head tied to the input embedding (as SmolLM2's,
+    Qwen2.5-1.5B's and the default recipe's models are): embeddings drawn with std 0.3, so
+    the tied head's distributions stay far from uniform without always repeating the input."""
+    from transformers import AutoModelForCausalLM
+
+    from realscale.models.tiny import build_tiny_model
+
+    build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                     intermediate_size=128, tie_embeddings=True, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.tie_word_embeddings
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 0.3)
+        for name, p in model.named_parameters():
+            if ".self_attn." in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_model(path: str, seed: int) -> str:
     """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
     repeats its input), an output head wide enough that next-token distributions are far
@@ -205,6 +227,7 @@ def publish_to_servers(cfg_dict: dict[str, Any], base_dir: str, new_dir: str,
     if results is None:
         return {}
     return {"served": [r.output_logprobs for r in results], "versions": [r.output_versions for r in results],
+            "outputs": [r.output_ids for r in results],
             "trained": [t[len(prompt):] for t in trained], "stats": [s.metrics() for s in stats],
             "members": getattr(getattr(transport, "client", None), "members", None), "retired": retired}
 

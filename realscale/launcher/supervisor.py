@@ -178,6 +178,9 @@ def _start_accuracy(cfg: Config, model_dir: str, out_dir: str) -> Callable[[], d
     rank's."""
     path = os.path.join(out_dir, "eval_start.json")
     accuracy: Future[dict[str, float] | None] = Future()
+    if not cfg.eval.before:  # the summary says "n/a -> ..." and gives no paired change
+        accuracy.set_result(None)
+        return accuracy.result
     if latest_checkpoint(out_dir) is not None and os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             accuracy.set_result(json.load(fh))

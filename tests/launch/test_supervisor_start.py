@@ -49,3 +49,15 @@ def test_written_whole_and_read_back_on_resume(tmp_path, monkeypatch) -> None:
     assert not os.path.exists(os.path.join(out, "eval_start.json.tmp"))
     monkeypatch.setattr(supervisor, "latest_checkpoint", lambda out_dir: "ckpt")  # a resumed run
     assert supervisor._start_accuracy(_cfg(tmp_path), "m", out)() == {"greedy": 0.5} and calls == [1]
+
+
+def test_eval_before_false_scores_nothing_and_the_summary_says_so(tmp_path, monkeypatch) -> None:
+    out = str(tmp_path / "r")
+    os.makedirs(out)
+    monkeypatch.setattr(supervisor, "_heldout", lambda *a: pytest.fail("evaluated with eval.before=false"))
+    cfg = load_config(None, ["data.source=task:arith", f"run.output_dir={tmp_path}", "run.name=r", "eval.before=false"])
+    assert supervisor._start_accuracy(cfg, "m", out)() is None
+    assert not os.path.exists(os.path.join(out, "eval_start.json"))
+    lines = supervisor.accuracy_lines(None, {"greedy": 0.9, "sampled": 0.8}, out)
+    assert lines["held-out accuracy (greedy)"] == "n/a -> 90.0%"
+    assert not any("paired" in k for k in lines)

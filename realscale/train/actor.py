@@ -9,7 +9,8 @@
   each pipeline stage reads (the batch scatter sends only those).
 - :func:`update_policy`: the decoupled PPO update of ARCHITECTURE.md over this rank's
   shares of the mini-batches; proximal log-probs (and with a critic, values and GAE
-  advantages) come from the models before the first update; the critic
+  advantages) come from the models before the first update (the first mini-batch's
+  proximal log-probs from its own training forward, which those weights run); the critic
   (:mod:`realscale.train.critic`) then takes its value-loss steps on the same shares. With
   a reference policy (:mod:`realscale.train.reference`, ``algo.kl_coef > 0``) its
   log-probs are computed then too, and the loss adds the KL penalty.

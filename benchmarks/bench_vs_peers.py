@@ -22,7 +22,8 @@ the seeds; ratios of the medians. Writes ``benchmarks/results/bench_vs_peers.jso
 the curves, ``bench_vs_peers_curve.png``.
 
 AReaL's CPU example is not in this benchmark yet: it ran only after patching its vLLM
-server for vLLM 0.32 (issue 34), and its behaviour and trainer log-probs disagreed.
+server for vLLM 0.32 (issue 34), and its behaviour and trainer log-probs disagreed;
+``benchmarks/peers/areal_notes.md`` says what a correct run of it needs.
 """
 
 from __future__ import annotations

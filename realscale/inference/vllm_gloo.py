@@ -49,7 +49,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload, inplace
+from vllm.platforms import current_platform
 
 from realscale.inference.weight_sync import destroy_group, new_group
 
@@ -140,8 +141,6 @@ def repack_tied_head(model: torch.nn.Module) -> bool:
     ``model_loader/reload/__init__.py``): the new embedding reached the input while the
     logits kept the old head (10 nats off the trainer's log-probs, measured:
     tests/inference/test_vllm_tied.py). On GPUs the method packs nothing: left alone."""
-    from vllm.platforms import current_platform
-
     head = getattr(model, "lm_head", None)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if not (current_platform.is_cpu() and tied and head is not None and hasattr(head, "quant_method")):
@@ -154,8 +153,6 @@ def repack_tied_head_on_every_reload() -> None:
     """vLLM's own in-place reload (``reload_weights``: the weights-from-disk path,
     ``model_loader/reload/inplace.py`` 94-96) ends with the module-level
     ``finalize_layerwise_reload``: wrapped once per process so that it repacks a tied head too."""
-    from vllm.model_executor.model_loader.reload import inplace
-
     original = inplace.finalize_layerwise_reload
     if getattr(original, "repacks_tied_head", False):
         return

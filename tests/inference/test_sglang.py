@@ -21,7 +21,6 @@ each test; the fidelity of the embedded server to them is tests/inference/test_s
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 import json
 import os
@@ -70,8 +69,15 @@ def servers(models, tmp_path_factory):
         yield s
 
 
-_client = functools.partial(cases.engine_client, "sglang")
-_load = functools.partial(cases.load_from_disk, "sglang")
+def _client(urls):
+    from realscale.inference.client import InferenceClient
+
+    return InferenceClient(urls, request_timeout=300)
+
+
+async def _load(urls, model_dir, version):
+    async with _client(urls) as c:
+        await c.update_weights_from_disk(model_dir, weight_version=version)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

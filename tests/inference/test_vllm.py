@@ -17,7 +17,6 @@ scripts/fix_torch_companions.py``; run with ``python -m pytest -m vllm``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 import time
 from importlib.metadata import entry_points
@@ -68,8 +67,16 @@ def servers(models, tmp_path_factory):
         yield s
 
 
-_client = functools.partial(cases.engine_client, "vllm")
-_load = functools.partial(cases.load_from_disk, "vllm")
+def _client(urls):
+    from realscale.inference.client import InferenceClient
+    from realscale.inference.vllm_dialect import VllmDialect
+
+    return InferenceClient(urls, dialect=VllmDialect(), request_timeout=300)
+
+
+async def _load(urls, model_dir, version):
+    async with _client(urls) as c:
+        await c.update_weights_from_disk(model_dir, weight_version=version)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])

@@ -14,7 +14,6 @@ engine and a load from disk)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.util
 from dataclasses import asdict
 from importlib.metadata import entry_points
@@ -40,7 +39,7 @@ PARAMS = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_tied")
-    return cases.tiny_model(str(root / "base"), 0, tied=True), cases.tiny_model(str(root / "new"), 7, tied=True)
+    return cases.tiny_tied_model(str(root / "base"), 0), cases.tiny_tied_model(str(root / "new"), 7)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +52,16 @@ def server(models, tmp_path_factory):
         yield s[0]
 
 
-_client = functools.partial(cases.engine_client, "vllm")
-_load = functools.partial(cases.load_from_disk, "vllm")
+def _client(url):
+    from realscale.inference.client import InferenceClient
+    from realscale.inference.vllm_dialect import VllmDialect
+
+    return InferenceClient([url], dialect=VllmDialect(), request_timeout=300)
+
+
+async def _load(url, model_dir, version):
+    async with _client(url) as c:
+        await c.update_weights_from_disk(model_dir, weight_version=version)
 
 
 def test_update_through_the_gloo_engine_reaches_the_tied_head(server, models, tmp_path) -> None:
@@ -62,7 +69,7 @@ def test_update_through_the_gloo_engine_reaches_the_tied_head(server, models, tm
 
     base, new = models
     url, tp, _ = server
-    asyncio.run(_load([url], base, 0))
+    asyncio.run(_load(url, base, 0))
     cfg = Config()
     cfg.generate.backend = "vllm"
     out = run_distributed(cases.publish_to_servers, 1, asdict(cfg), base, new, [(url, tp)], str(tmp_path), [1],
@@ -77,11 +84,14 @@ def test_update_through_the_gloo_engine_reaches_the_tied_head(server, models, tm
 def test_load_from_disk_reaches_the_tied_head(server, models) -> None:
     base, new = models
     url, _, _ = server
-    asyncio.run(_load([url], base, 0))
-    asyncio.run(_load([url], new, 1))
-    results, diff = cases.served_vs_megatron(_client, [url], new, [PROMPT], 1.0)
+    asyncio.run(_load(url, base, 0))
+    asyncio.run(_load(url, new, 1))
+    results, diff = cases.served_vs_megatron(_client_for, [url], new, [PROMPT], 1.0)
     assert set(results[0].output_versions) == {1}
     before = cases.engine_lps(base, [PROMPT], [results[0].output_ids], 1.0)[0]
     assert cases.max_diff(before, results[0].output_logprobs) > 1e-2  # the new model, not the base, served them
     assert diff < TOL
 
+
+def _client_for(urls):
+    return _client(urls[0])

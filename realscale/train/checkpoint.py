@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
@@ -98,6 +99,33 @@ def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: di
                               f"({_free_text(out_dir)} on {out_dir}); the previous checkpoint "
                               f"{previous or '(none)'} is intact: run again to resume from it") from exc
     return ckpt
+
+
+def start_writer_queue() -> Any:
+    """Megatron's checkpoint writer's result queue, started and ready for its first results.
+
+    megatron-core's ``torch_dist`` saver (``dist_checkpointing/strategies/filesystem_async.py``
+    51-56 in 0.16.1, ``_get_write_results_queue``) collects its writer processes' results
+    through a ``multiprocessing.Manager().Queue()`` made on the first save of a process, in
+    a *spawned* manager process, which then imports torch to unpickle the first results it
+    is sent (``WriteResult`` lists, put at 335 of that file): on the default recipe (2-core CPU)
+    the first save took 1.6-1.9 s against 0.3-0.4 s for later ones, over a training round
+    inside the loop (``benchmarks/bench_checkpoint.py``). Here both happen beforehand: the
+    queue is made and one empty ``WriteResult`` goes through it (nothing else uses the
+    queue yet: :meth:`Checkpointer.save` waits for this). Later saves reuse the queue, so
+    nothing a save writes or checks changes. ``_get_write_results_queue`` is a private name
+    of the pinned megatron-core: ``tests/train/test_checkpoint_storage.py`` fails if it
+    moves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    queue = filesystem_async._get_write_results_queue()
+    queue.put({0: [WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0,
+                               storage_data=_StorageInfo(relative_path="", offset=0, length=0))]})
+    queue.get()
+    return queue
 
 
 def critic_dir(ckpt_dir: str) -> str:
@@ -265,6 +293,17 @@ class Checkpointer:
         self.keep = keep
         self.pinned = tuple(pinned)
         self.is_driver = is_driver
+        self._warming: threading.Thread | None = None
+
+    def warm_up(self) -> None:
+        """Start megatron's checkpoint writer's one-time set-up now, on a thread, so that
+        the first :meth:`save` does not pay for it inside the training loop
+        (:func:`start_writer_queue`). Call it where the rank would idle anyway (the
+        trainer: while its first batch generates)."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=start_writer_queue, name="checkpoint-writer-warm-up",
+                                             daemon=True)
+            self._warming.start()
 
     def latest(self) -> str | None:
         return latest_checkpoint(self.out_dir)
@@ -284,6 +323,8 @@ class Checkpointer:
              critic: "MegatronEngine | None" = None) -> str:
         """Checkpoint after ``step`` (every rank), then rotate (the driver: the new one is
         complete, older ones may go)."""
+        if self._warming is not None:  # never two set-ups at once: megatron's global is unguarded
+            self._warming.join()
         ckpt = save_checkpoint(engine, self.out_dir, step, extra, self.is_driver, critic=critic)
         if self.is_driver:
             self.rotate()

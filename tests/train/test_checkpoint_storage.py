@@ -117,3 +117,51 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(small_tmpfs: Path)
     assert got["extra"] == {"step": 1}
     assert got["moved"] > 0 and got["diff"] == 0.0  # the loaded weights are exactly step 1's
     assert not os.path.exists(str(small_tmpfs / LATEST) + ".tmp")
+
+
+# ----------------------------------------------------------------------------- the writer's set-up
+
+
+def _warm_then_save(root: str) -> dict:
+    """One rank: warm the checkpoint writer up (as the trainer does while its first batch
+    generates), then save twice; which result queue did megatron's saver use?"""
+    import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from realscale.models.tiny import resolve_model_path
+    from realscale.sft import nll_loss
+    from realscale.train.batch import PackedBatch
+    from realscale.train.checkpoint import Checkpointer
+    from realscale.train.engine import EngineConfig, MegatronEngine
+
+    before = filesystem_async._results_queue
+    eng = MegatronEngine(EngineConfig(model_path=resolve_model_path("tiny-qwen2"), lr=1e-2))
+    ckpts = Checkpointer(root, keep=1)
+    ckpts.warm_up()
+    ckpts._warming.join()
+    warmed = filesystem_async._results_queue
+    batch = PackedBatch.from_sequences([torch.arange(1, 40)], {"loss_mask": [torch.ones(39)]})
+    used = []
+    for step in (1, 2):
+        eng.train_step(batch, nll_loss)
+        ckpts.save(eng, step, {"step": step})
+        used.append(filesystem_async._results_queue is warmed)
+    return {"before": before is None, "warmed": warmed is not None, "used": used,
+            "latest": latest_checkpoint(root), "left": sorted(os.listdir(os.path.join(root, "checkpoints")))}
+
+
+@pytest.mark.multiproc
+def test_the_writer_warmed_up_before_the_loop_is_the_one_every_save_uses(tmp_path: Path) -> None:
+    """The first save of a process used to start megatron's writer queue (a spawned manager
+    process, megatron-core 0.16.1 ``dist_checkpointing/strategies/filesystem_async.py``
+    51-56, reached from ``FileSystemWriterAsync.prepare_write_data`` 185) and make it
+    import torch (the first results it unpickles, put at 335) inside the loop; the trainer
+    now does both beforehand (``Checkpointer.warm_up``). Fails if megatron renames that
+    function or stops reusing one queue per process, or if the warm-up's ``WriteResult``
+    no longer pickles."""
+    from realscale.parallel.spawn import run_distributed
+
+    got = run_distributed(_warm_then_save, 1, str(tmp_path), timeout=300)[0]
+    assert got["before"] and got["warmed"]  # none until the warm-up made it
+    assert got["used"] == [True, True]  # both saves wrote through the warmed-up queue
+    assert got["latest"] == str(tmp_path / "checkpoints" / "step000002") and got["left"] == ["step000002"]

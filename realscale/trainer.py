@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from realscale.config import Config, config_from_dict
+from realscale.inference.health import wait_until_serving
 from realscale.inference.roster import read_roster, roster_path
 from realscale.launcher.spec import stop_reason
 from realscale.metrics import MetricsLogger
@@ -83,7 +84,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, model_dir: str, server_urls: list[str], out_dir: str) -> None:
         init_distributed(cfg.parallel.backend, collective_timeout_s(cfg.parallel.collective_timeout_s))
-        self.cfg, self.out_dir = cfg, out_dir
+        self.cfg, self.out_dir, self.server_urls = cfg, out_dir, list(server_urls)
         self.is_driver = dist.get_rank() == 0
         self.checkpoints = Checkpointer(out_dir, cfg.run.keep_checkpoints, cfg.run.pin_checkpoints, self.is_driver)
         self.controller: Rollouts | None = None
@@ -194,6 +195,9 @@ class Trainer:
         checkpoint's weights (same version); a fresh run's rollouts are generating
         already (started before the engine was built). Colocated ranks start with no
         generation weights: they always get them first."""
+        if self.resumed_from and self.colocated is None and self.is_driver:
+            # the servers start beside the ranks (launcher/supervisor.py): up before the weights go
+            wait_until_serving(self.server_urls, self.cfg.launch.health_timeout)
         if self.resumed_from or self.colocated is not None:
             self.publisher.publish(self.engine, self.version)
 

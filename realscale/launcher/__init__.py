@@ -34,12 +34,15 @@ __all__ = ["Backend", "LocalBackend", "RankGroup", "ServerProc", "backend_for", 
 
 class Backend(Protocol):
     """What the supervisor asks of a backend (:class:`LocalBackend`, :class:`SlurmBackend`),
-    in this order: prepare, start the servers, start the ranks, wait for them, stop
-    everything; ``requeue`` after a stop request (resume from the checkpoint)."""
+    in this order: prepare, start the servers (``wait=False``: not yet waiting for them to
+    answer), start the ranks, wait until the servers answer (``servers_ready``), wait for
+    the ranks, stop everything; ``requeue`` after a stop request (resume from the checkpoint)."""
 
     def prepare(self) -> None: ...
 
-    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]: ...
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any], wait: bool = True) -> list[str]: ...
+
+    def servers_ready(self) -> None: ...
 
     def start_ranks(self, fn: Callable[..., Any], world: int, args: tuple, name: str = "trainer") -> None: ...
 

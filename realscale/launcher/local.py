@@ -3,8 +3,8 @@ servers and trainer ranks). Everything started here is stopped here — on succe
 error, on Ctrl-C or SIGTERM — so a run leaves no orphan processes and frees its ports.
 
 :class:`LocalBackend` and :class:`realscale.launcher.slurm.SlurmBackend` offer the same
-four calls to the supervisor (start_servers, start_ranks, wait, stop); only how the
-processes are started differs.
+calls to the supervisor (start_servers, start_ranks, servers_ready, wait, stop); only how
+the processes are started differs.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from realscale.errors import LaunchError
+from realscale.inference.health import answers_health
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.launcher.restart import ServerKeeper
@@ -52,13 +52,19 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     servers = [spawn_embedded_server(model_dir, i, log_dir, host=host, threads=threads, max_running=max_running,
                                      context_length=context_length, seed=seed, tp=tp, first_gpu=first_gpu)
                for i in range(num)]
+    wait_all_healthy(servers, timeout)
+    return servers
+
+
+def wait_all_healthy(servers: list[ServerProc], timeout: float, what: str = "generation server") -> None:
+    """Every one of ``servers`` answers /health within ``timeout`` seconds, or all are
+    stopped and a one-line :class:`LaunchError` names the first that did not."""
     try:
         for s in servers:
-            wait_healthy(s, timeout)
+            wait_healthy(s, timeout, what=what)
     except BaseException:
         stop_servers(servers)
         raise
-    return servers
 
 
 def spawn_embedded_server(model_dir: str, i: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
@@ -91,23 +97,30 @@ def start_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, s
     naming the failed server's log. ``first_gpu``: on a GPU machine, server i's ranks use
     GPUs ``first_gpu + i*tp`` onwards; None: the CPU."""
 
-    what = {"vllm": "vLLM server", "sglang": "SGLang server"}[gen.backend]
+    servers = spawn_engine_servers(model_dir, gen, log_dir, seed=seed, dtype=dtype, first_gpu=first_gpu,
+                                   routed_experts=routed_experts)
+    wait_all_healthy(servers, timeout, what=engine_name(gen))
+    return servers
+
+
+def engine_name(gen: GenerateConfig) -> str:
+    return {"vllm": "vLLM server", "sglang": "SGLang server"}[gen.backend]
+
+
+def spawn_engine_servers(model_dir: str, gen: GenerateConfig, log_dir: str, *, seed: int = 0,
+                         dtype: str = "float32", first_gpu: int | None = None,
+                         routed_experts: bool = False) -> list[ServerProc]:
+    """The servers of :func:`start_engine_servers`, checked (one-line :class:`LaunchError`)
+    and started, not waited for."""
     try:
         check_engine(model_dir, gen, on_gpu=first_gpu is not None, routed_experts=routed_experts)
     except (RuntimeError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
     os.makedirs(log_dir, exist_ok=True)
-    servers = [spawn_engine_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype,
-                                   routed_experts=routed_experts,
-                                   gpus=None if first_gpu is None else devices_of_server(first_gpu + i * gen.tp, gen.tp))
-               for i in range(gen.num_servers)]
-    try:
-        for s in servers:
-            wait_healthy(s, timeout, what=what)
-    except BaseException:
-        stop_servers(servers)
-        raise
-    return servers
+    return [spawn_engine_server(model_dir, gen, os.path.join(log_dir, f"server{i}.log"), seed=seed + i, dtype=dtype,
+                                routed_experts=routed_experts,
+                                gpus=None if first_gpu is None else devices_of_server(first_gpu + i * gen.tp, gen.tp))
+            for i in range(gen.num_servers)]
 
 
 def spawn_engine_server(model_dir: str, gen: GenerateConfig, log_path: str, *, seed: int = 0,
@@ -164,12 +177,8 @@ def wait_healthy(server: ServerProc, timeout: float, what: str = "generation ser
         if server.proc.poll() is not None:
             raise LaunchError(f"{what} {server.url} exited with code {server.proc.returncode} before it was "
                               f"ready; see {server.log_path}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        if answers_health(server.url):
+            return
         time.sleep(0.25)
     raise LaunchError(f"{what} {server.url} not healthy after {timeout:.0f} s; see {server.log_path}")
 
@@ -288,22 +297,36 @@ class LocalBackend:
             check_capacity(self.cfg, slots, unit, "parallel.plan", gpus)
         os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
 
-    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any], wait: bool = True) -> list[str]:
+        """Start the run's servers; their URLs (each process picks its port here, so they
+        are known at once). ``wait=False``: return without waiting for them to answer; the
+        supervisor starts the trainer ranks meanwhile (their imports and engine build
+        overlap the servers' start-up) and then calls :meth:`servers_ready`."""
         g = self.cfg.generate
         # on GPUs trainer rank r has GPU r (LOCAL_RANK); the servers take the GPUs after them
         first_gpu = self._first_gpu = self.cfg.parallel.world_size if cuda_usable() else None
         self.model_dir = model_dir
+        logs = os.path.join(self.out_dir, "logs")
         if g.backend != "embedded":
-            self.servers = start_engine_servers(model_dir, g, os.path.join(self.out_dir, "logs"), seed=self.cfg.run.seed,
-                                                dtype=self.cfg.model.dtype, timeout=self.cfg.launch.health_timeout,
+            self.servers = spawn_engine_servers(model_dir, g, logs, seed=self.cfg.run.seed, dtype=self.cfg.model.dtype,
                                                 first_gpu=first_gpu, routed_experts=self.cfg.algo.routing_replay)
         else:
-            self.servers = start_servers(model_dir, g.num_servers, os.path.join(self.out_dir, "logs"), host=g.host,
-                                         seed=self.cfg.run.seed, context_length=g.context_length,
-                                         max_running=g.max_running_requests, tp=g.tp, first_gpu=first_gpu)
+            os.makedirs(logs, exist_ok=True)
+            self.servers = [spawn_embedded_server(model_dir, i, logs, host=g.host, seed=self.cfg.run.seed,
+                                                  context_length=g.context_length, max_running=g.max_running_requests,
+                                                  tp=g.tp, first_gpu=first_gpu) for i in range(g.num_servers)]
+        if wait:
+            self.servers_ready()
         urls = [s.url for s in self.servers]
         self.keeper = ServerKeeper(self.out_dir, urls, self.cfg.launch.server_restarts, self)
         return urls
+
+    def servers_ready(self) -> None:
+        """Every server answers /health within ``launch.health_timeout``, else all are
+        stopped and a one-line :class:`LaunchError` names the one that did not (its log)."""
+        g = self.cfg.generate
+        wait_all_healthy(self.servers, self.cfg.launch.health_timeout,
+                         what="generation server" if g.backend == "embedded" else engine_name(g))
 
     # ServerHooks (realscale/launcher/restart.py)
     def server_exit_code(self, i: int) -> int | None:

@@ -38,11 +38,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from realscale.errors import LaunchError
+from realscale.inference.health import answers_health
 from realscale.launcher.dist_env import slurm_hostnames
 from realscale.launcher.restart import ServerKeeper
 from realscale.launcher.spec import RunSpec, entry_name, launch_dir, spec_path
@@ -300,12 +300,8 @@ def _wait_url(url_dir: str, i: int, step: Step, timeout: float) -> str:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as fh:
                 url = fh.read().strip()
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return url
-            except OSError:
-                pass
+            if answers_health(url):
+                return url
         time.sleep(0.25)
 
 
@@ -364,7 +360,10 @@ class SlurmBackend:
         if stdout and os.path.isfile(stdout[0]) and not os.path.lexists(link):
             os.symlink(os.path.abspath(stdout[0]), link)
 
-    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any]) -> list[str]:
+    def start_servers(self, model_dir: str, cfg_dict: dict[str, Any], wait: bool = True) -> list[str]:
+        """The server steps; returns once each has written its URL (host and port are the
+        node's, known only then), so ``wait`` changes nothing here: the trainer step starts
+        after the servers answer (the local backend overlaps the two)."""
         url_dir = self._url_dir = os.path.join(launch_dir(self.out_dir), "servers", self.key)
         shutil.rmtree(url_dir, ignore_errors=True)
         os.makedirs(url_dir)
@@ -375,6 +374,9 @@ class SlurmBackend:
         urls = [_wait_url(url_dir, i, step, self.cfg.launch.health_timeout) for i, step in enumerate(self.servers)]
         self.keeper = ServerKeeper(self.out_dir, urls, self.cfg.launch.server_restarts, self)
         return urls
+
+    def servers_ready(self) -> None:
+        """Nothing left to wait for: :meth:`start_servers` waited for every URL."""
 
     def _server_step(self, i: int) -> Step:
         """Server ``i`` as a job step of its own (``rs-server<i>``) on its node."""

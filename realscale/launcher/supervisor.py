@@ -90,8 +90,14 @@ def _supervise(cfg: Config, rank_entry: RankEntry) -> int:
     try:
         if stop_reason(out_dir) is None:  # a stop requested while preparing: start nothing
             # colocated: the trainer ranks generate themselves (realscale/serve/colocated.py)
-            urls = [] if cfg.parallel.mode == "colocated" else backend.start_servers(model_dir, asdict(cfg))
+            # The ranks start while the servers do (imports and engine builds overlap); the
+            # servers' rollouts wait for them (realscale/rollout/process.py), and a server that
+            # fails to come up still ends the run here, before any step.
+            colocated = cfg.parallel.mode == "colocated"
+            urls = [] if colocated else backend.start_servers(model_dir, asdict(cfg), wait=False)
             backend.start_ranks(rank_entry, cfg.parallel.world_size, (asdict(cfg), model_dir, urls, out_dir))
+            if not colocated:
+                backend.servers_ready()
             acc_start = start_accuracy()  # (its failure stops the run now, not after the last step)
             code = backend.wait()
     except KeyboardInterrupt:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from realscale.config import config_from_dict
+from realscale.inference.health import wait_until_serving
 from realscale.parallel.spawn import die_with_parent
 from realscale.rollout.controller import RolloutError
 from realscale.rollout.factory import build_controller
@@ -304,6 +305,7 @@ def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_di
         return proc
     rollouts = LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state)
     if go:
+        wait_until_serving(server_urls, cfg.launch.health_timeout)
         rollouts.resume()
     return rollouts
 
@@ -322,7 +324,10 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
 
     try:
-        rollouts = LocalRollouts.build(config_from_dict(cfg_dict), model_dir, server_urls, out_dir, state, shard)
+        cfg = config_from_dict(cfg_dict)
+        rollouts = LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state, shard)
+        if go:  # a fresh run: its servers may still be starting (the supervisor overlaps the two)
+            wait_until_serving(server_urls, cfg.launch.health_timeout)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         _send_error(conn, exc)
         return

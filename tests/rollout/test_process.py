@@ -5,6 +5,7 @@ request clocks reach the controller's client."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -141,3 +142,59 @@ async def _hog_the_loop(seconds: float) -> None:
     import time
 
     time.sleep(seconds)  # blocks the event loop, as a burst of parsing and stitching does
+
+
+async def _late_proxy(port: int, target: str, delay: float, seen: list[str], stop: "asyncio.Event") -> None:
+    """Forward every request to ``target``, listening on ``port`` only after ``delay`` s (a
+    server still loading its model)."""
+    import aiohttp
+    from aiohttp import web
+
+    await asyncio.sleep(delay)
+    session = aiohttp.ClientSession()
+
+    async def forward(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        async with session.request(request.method, target + request.path_qs, data=await request.read(),
+                                   headers={"Content-Type": request.content_type}) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await stop.wait()
+    await runner.cleanup()
+    await session.close()
+
+
+@pytest.mark.parametrize("process", [True, False])
+def test_started_with_go_waits_for_a_server_still_starting(server, arith_jsonl, tmp_path, process: bool) -> None:
+    """The supervisor starts the trainer ranks beside the servers (launcher/supervisor.py),
+    so a fresh run's rollouts may start before their server listens: they wait for its
+    /health, and no request is lost to a refused connection."""
+    import threading
+
+    from realscale.parallel.net import free_port
+
+    url, srv = server
+    port = free_port("127.0.0.1")
+    seen: list[str] = []
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(_late_proxy(port, url, 9.0, seen, stop),),
+                              daemon=True)
+    thread.start()
+    cfg = _cfg(arith_jsonl, f"rollout.controller_process={str(process).lower()}")
+    rollouts = start_rollouts(cfg, srv.model_path, [f"http://127.0.0.1:{port}"], str(tmp_path), go=True)
+    try:
+        rb = rollouts.next_batch(2, 0, timeout=300)
+        assert rb.batch.num_seqs == 4 and rb.stats["staleness/max"] == 0
+        stats = rollouts.stats()
+        assert stats["failures"] == 0 and stats["servers_in_rotation"] == 1
+        assert seen[0] == "/health" and "/generate" in seen
+    finally:
+        rollouts.stop()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)

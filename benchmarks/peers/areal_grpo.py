@@ -61,6 +61,8 @@ import subprocess
 import sys
 import time
 
+from _peer_cli import peer_parser  # (this script's folder is on the path, also under torchrun)
+
 START = time.time()  # before the heavy imports, as trl_grpo.py
 HERE = os.path.dirname(os.path.abspath(__file__))
 MENDS = os.path.join(HERE, "areal_mends")
@@ -494,15 +496,7 @@ def main() -> None:
     if "--config" in sys.argv:  # under torchrun: AReaL's trainer
         train(sys.argv[1:])
         return
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="the warm start (an HF model directory)")
-    ap.add_argument("--train", required=True, help="JSON lines: prompt, answer")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--snapshot-every", type=int, default=0,
-                    help="save the model every k rounds under <out>/snapshots/round_<k> (0: none)")
-    args = ap.parse_args()
+    args = peer_parser().parse_args()
     args.model, args.train = os.path.abspath(args.model), os.path.abspath(args.train)
     launch(args)
 

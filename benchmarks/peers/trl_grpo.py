@@ -22,25 +22,19 @@ the model every k rounds too (a learning curve, evaluated by the bench afterward
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import time
 
+from _peer_cli import peer_parser
+
 START = time.time()  # before the heavy imports: "first step after" counts them, as for realscale
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="the warm start (an HF model directory)")
-    ap.add_argument("--train", required=True, help="JSON lines: prompt, answer")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = peer_parser()
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--snapshot-every", type=int, default=0,
-                    help="save the model every k rounds under <out>/snapshots/round_<k> (0: none)")
     args = ap.parse_args()
 
     import torch
@@ -93,8 +87,8 @@ def main() -> None:
     with open(os.path.join(args.out, "result.json"), "w", encoding="utf-8") as fh:
         json.dump({"step_times_s": steps, "snapshots": snapshots, "wall_s": time.time() - START,
                    "generated_tokens": generated["tokens"], "generated_answers": generated["answers"], "trained_tokens": generated["tokens"],
-                   "torch": torch.__version__,
-                   "trl": __import__("trl").__version__, "seed": args.seed, "rounds": args.rounds}, fh, indent=1)
+                   "versions": {"trl": __import__("trl").__version__, "torch": torch.__version__},
+                   "seed": args.seed, "rounds": args.rounds}, fh, indent=1)
 
 
 if __name__ == "__main__":

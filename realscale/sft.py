@@ -54,6 +54,7 @@ from realscale.config import Config, ConfigError, config_from_dict, run_dir, sav
 from realscale.data.sft_data import load_demonstrations
 from realscale.errors import LaunchError
 from realscale.models.tiny import build_tiny_model, resolve_model_path
+from realscale.models.tokenizer import load_tokenizer
 from realscale.parallel.device import collective_timeout_s, init_distributed
 from realscale.tasks.arith import ArithTask, Problem, encode_example, encode_tool_example, task_from_config
 
@@ -230,7 +231,6 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
     """One rank of one SFT stage: train ``sft.steps`` steps on this rank's share of each
     batch, write the HF directory (rank 0 writes; every rank gathers)."""
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
     from realscale.train.actor import share_for_rank
     from realscale.train.engine import EngineConfig, MegatronEngine
@@ -242,7 +242,7 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
                       warmup_steps=min(s.warmup_steps, s.steps - 1), schedule="cosine", total_steps=s.steps,
                       clip_grad=1.0, max_tokens_per_micro_batch=budget, weight_decay=0.0)
     engine = MegatronEngine(ec)
-    tok = AutoTokenizer.from_pretrained(base_dir)
+    tok = load_tokenizer(base_dir)
     source, refused, count = _batches_for(cfg, tok)
     if s.batch_size < engine.ranks.dp:
         raise ValueError(f"sft.batch_size={s.batch_size} is below parallel.dp={engine.ranks.dp}")

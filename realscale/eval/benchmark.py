@@ -35,6 +35,7 @@ from realscale.data.tokens import prompt_ids
 from realscale.eval.metrics import aggregate, answer_key, paired_difference, pass_at_k
 from realscale.inference.client import InferenceClient
 from realscale.models.tiny import resolve_model_path
+from realscale.models.tokenizer import load_tokenizer
 from realscale.reward.math_extract import extract_answer
 from realscale.rollout.controller import client_kwargs, connections_per_server
 from realscale.rollout.rewards import call_reward, close_reward_pools, reward_fn_for
@@ -188,11 +189,10 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
     """Evaluate ``model_dir``, served at ``urls``, on ``settings.data``; write per-problem
     records and the summary into ``out_dir``. (Whoever calls starts the servers:
     ``realscale eval`` and the supervisor through :func:`realscale.launcher.served`.)"""
-    from transformers import AutoTokenizer
 
     model_dir = resolve_model_path(model_dir)
     problems = load_problems(settings.data, cfg, settings.max_problems)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     os.makedirs(out_dir, exist_ok=True)
     if not urls:

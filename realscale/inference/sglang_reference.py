@@ -36,6 +36,8 @@ import zipfile
 from types import ModuleType
 from typing import Any
 
+from realscale.models.cache import cache_base
+
 PINNED = "0.5.23"
 SUPPORTED = ">=0.5.21,<0.5.24"
 MSGSPEC = "0.22.0"  # for sglang/api/v1/api_types.py (SGLang requires msgspec, unpinned)
@@ -58,8 +60,7 @@ PREFIXES = ("sglang/srt/arg_groups/fields/",)  # server options, one dataclass f
 
 
 def source_dir() -> str:
-    base = os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
-    return os.path.join(base, "sglang")
+    return os.path.join(cache_base(), "sglang")
 
 
 def fetched_version(root: str | None = None) -> str | None:

@@ -69,6 +69,7 @@ import numpy as np
 
 from realscale.data.tokens import prompt_ids
 from realscale.launcher.local import start_servers, stop_servers
+from realscale.models.tokenizer import load_tokenizer
 from realscale.parallel.mesh import Strategy
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.parallel.spawn import run_distributed
@@ -479,12 +480,11 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         build_base_model(cfg, model_dir)  # the recipe's warm-start architecture; timing ignores the weights
 
-    from transformers import AutoTokenizer
 
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
         hf = json.load(fh)
     spec = spec_from_hf_config(hf, itemsize=4 if cfg.model.dtype == "float32" else 2)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     prompt_len = len(prompt_ids(tokenizer, "7 4"))
     device = measure_device(threads)
     servers = start_servers(model_dir, 1, os.path.join(work_dir, "logs"), threads=threads, max_running=max(DECODE_BATCHES),

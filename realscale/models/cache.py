@@ -9,10 +9,14 @@ import tempfile
 from typing import Callable
 
 
+def cache_base() -> str:
+    """realscale's cache: ``$REALSCALE_CACHE`` or ``~/.cache/realscale``."""
+    return os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
+
+
 def cache_root() -> str:
     """Where built-in models are cached: ``$REALSCALE_CACHE/models`` or ``~/.cache/realscale/models``."""
-    base = os.environ.get("REALSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "realscale")
-    return os.path.join(base, "models")
+    return os.path.join(cache_base(), "models")
 
 
 def build_atomically(target: str, build: Callable[[str], None], is_complete: Callable[[str], bool]) -> str:

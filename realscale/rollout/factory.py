@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from realscale.data.dataset import from_config as dataset_from_config
+from realscale.models.tokenizer import load_tokenizer
 from realscale.rollout.controller import RolloutController
 from realscale.rollout.workflows import workflow_from_config
 from realscale.tasks.arith import resolve_task_source, task_from_config
@@ -36,9 +37,8 @@ def build_controller(cfg: "Config", model_dir: str, server_urls: list[str], out_
     """The rollout controller of a run (trainer rank 0): prompts from ``cfg.data`` (share
     ``rank`` of ``world``: one rollout shard's, realscale/rollout/sharded.py), the workflow
     ``cfg.rollout.workflow`` names, generation on ``server_urls``."""
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
     dataset = dataset_from_config(resolved_data_config(cfg, out_dir), seed=cfg.run.seed, rank=rank, world=world,
                                   prompt_len=lambda t: len(tokenizer.encode(t)))
     workflow = workflow_from_config(cfg, tokenizer)

@@ -25,6 +25,7 @@ import numpy as np
 from realscale.data.tokens import prompt_ids
 from realscale.launcher.render import model_spec_for
 from realscale.models.tiny import BUILTIN, SPECIAL_TOKENS, byte_alphabet, resolve_model_path
+from realscale.models.tokenizer import load_tokenizer
 from realscale.parallel.mesh import Strategy
 from realscale.parallel.model_spec import ModelSpec, spec_from_hf_config, transformer_spec
 from realscale.planner.hardware import HardwareProfile
@@ -66,9 +67,8 @@ def cpu_model_spec(cfg: Config) -> ModelSpec:
 
 def task_prompt_len(cfg: Config) -> int:
     """Mean prompt tokens of a ``task:`` source (chat template included, tiny byte tokenizer)."""
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-qwen2"))
+    tok = load_tokenizer(resolve_model_path("tiny-qwen2"))
     problems = task_from_config(cfg.data).split("train")[:200]
     return round(float(np.mean([len(prompt_ids(tok, p.prompt)) for p in problems])))
 

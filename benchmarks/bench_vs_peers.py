@@ -55,6 +55,7 @@ from typing import Any
 
 from _cli import REPO, checkout_env, run_realscale
 
+LOAD_BEFORE = os.getloadavg()  # at start: whatever else was running
 RESULTS = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers.json")
 CURVE = os.path.join(REPO, "benchmarks", "results", "bench_vs_peers_curve.png")
 RECIPE = os.path.join(REPO, "configs", "tiny_cpu.yaml")
@@ -288,7 +289,7 @@ def main() -> None:
     with open(RESULTS, "w", encoding="utf-8") as fh:
         json.dump({"args": vars(args), "warm_start": start_acc, "runs": runs, "summary": summary,
                    **{f"{p}_over_realscale_time": r for p, r in ratios.items()}, "equal_time_s": equal,
-                   "load_average_before": os.getloadavg()}, fh, indent=1)
+                   "load_average_before": LOAD_BEFORE}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ if importlib.util.find_spec("sglang") is None:
 TOL = 1e-4  # fp32 on both sides; a wrong convention or stale weights differ by > 1e-2
 # 400-token answers: SGLang's torch-native attention and Megatron's sum in other orders
 # (8e-5 measured after a retract, 7.9e-4 once after an abort's recomputed prefix: a CI run
-# of 2026-12-02), as vLLM's twin allows (test_vllm.py TOL_LONG); a stale KV is off by ~10
-LONG_TOL = 1e-3
+# of 2026-12-02), as vLLM's twin allows (test_vllm.py TOL_LONG: a max over hundreds of
+# per-token gaps, 1.07e-3 once there); a stale KV is off by ~10
+LONG_TOL = 3e-3
 PROMPTS = [[10, 11, 12], list(range(40, 70)), [99, 100, 101, 102, 103]]
 
 

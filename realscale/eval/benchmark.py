@@ -189,7 +189,6 @@ def run_benchmark(cfg: "Config", model_dir: str, settings: BenchmarkSettings, ou
     """Evaluate ``model_dir``, served at ``urls``, on ``settings.data``; write per-problem
     records and the summary into ``out_dir``. (Whoever calls starts the servers:
     ``realscale eval`` and the supervisor through :func:`realscale.launcher.served`.)"""
-
     model_dir = resolve_model_path(model_dir)
     problems = load_problems(settings.data, cfg, settings.max_problems)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)

@@ -135,7 +135,6 @@ def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, tempe
     the model directory's). ``max_turns > 0``: multi-turn episodes with the calculator
     tool (``rollout.workflow: multi_turn``), scored by the environment, and the share of
     episodes in which the calculator returned a result (``tool_use``)."""
-
     if not problems:
         raise ValueError("evaluate: no problems given")
     if samples < 1:

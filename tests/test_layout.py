@@ -42,7 +42,10 @@ FLOOR = {unit: len(FLOORS) - i for i, units in enumerate(FLOORS) for unit in uni
 HEAVY = ("torch", "megatron", "transformers", "vllm", "sglang", "safetensors", "tensorboard", "wandb",
          "matplotlib", "mpi4py", "math_verify", "gguf", "triton", "numpy", "aiohttp", "requests", "yaml",
          "datasets", "pyarrow", "accelerate", "transformer_engine", "packaging", "psutil", "omegaconf",
-         "reasoning_gym", "tqdm", "megatron_patches")
+         "reasoning_gym", "tqdm")
+# heavy modules of a package that is light as a whole: megatron_patches.lazy_jit is
+# imported by realscale/__init__.py (standard library only); these two load megatron
+HEAVY_MODULES = ("megatron_patches.cpu", "megatron_patches.fixes")
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ def file_cycles(imps: list[Import]) -> list[list[str]]:
 
 
 def _heavy(name: str) -> str | None:
+    for module in HEAVY_MODULES:
+        if name == module or name.startswith(module + "."):
+            return module
     top = name.split(".")[0]
     return top if top in HEAVY else None
 

@@ -12,8 +12,10 @@ tree is sampled for its peak resident memory; each final model is scored by the 
 held-out evaluation (200 problems: greedy, and 4 samples at T = 1).
 
 Per system and seed: seconds from launch to the last optimizer step of the 30 rounds
-(realscale's start-up includes its held-out evaluation of the warm start, on a thread,
-which TRL does not run), to the first step, trained and generated tokens per second of
+(no system scores the warm start in its own run: realscale with ``eval.before=false``,
+since on two cores its start-up evaluation, on a thread, took 1.5-2.7 s off the first
+step; TRL and AReaL run none; the warm start is scored once here, as every snapshot), to
+the first step, trained and generated tokens per second of
 that span, peak memory, held-out accuracy. The learning curve: each system writes its
 policy every ``--snapshot-every`` rounds (realscale ``run.export_every``, TRL a callback;
 both timed at the end of that round, both paying for the write) and each snapshot is
@@ -134,7 +136,8 @@ def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int, every: i
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft_dir}", f"run.seed={seed}",
-           f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}", f"run.export_every={every}"]
+           f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}", f"run.export_every={every}",
+           "eval.before=false"]
     start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), checkout_env())
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
     steps = [m for m in metrics if "train/loss" in m]

@@ -42,6 +42,24 @@ def die_with_parent() -> None:
         pass
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Have this process exit once the process that started it is gone, watched from a
+    daemon thread (``getppid`` changes when the parent process exits). For a process whose
+    start an other library owns and that a parent's *thread* starts, where
+    :func:`die_with_parent` would not do: the kernel's parent-death signal follows the
+    creating thread, not its process."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, env: dict[str, str],
             fn: Callable[..., Any], args: tuple, conn: Any, collective_timeout_s: float | None = None) -> None:
     os.environ.update(env)

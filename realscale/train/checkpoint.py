@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing as mp
 import os
 import shutil
 import threading
+from multiprocessing.managers import SyncManager
 from typing import TYPE_CHECKING, Any, Iterable
+
+from realscale.parallel.spawn import exit_with_parent
 
 if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
@@ -115,12 +119,21 @@ def start_writer_queue() -> Any:
     queue yet: :meth:`Checkpointer.save` waits for this). Later saves reuse the queue, so
     nothing a save writes or checks changes. ``_get_write_results_queue`` is a private name
     of the pinned megatron-core: ``tests/train/test_checkpoint_storage.py`` fails if it
-    moves."""
+    moves.
+
+    The queue is made here as megatron makes it (a spawned ``SyncManager``'s ``Queue``, kept
+    where megatron keeps it, ``_results_queue``), with one difference: the manager process
+    exits when the rank does. Megatron's outlives a SIGKILLed rank (reparented to init,
+    ~330 MB resident, for good)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     queue = filesystem_async._get_write_results_queue()
     queue.put({0: [WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0,
                                storage_data=_StorageInfo(relative_path="", offset=0, length=0))]})

@@ -165,3 +165,43 @@ def test_the_writer_warmed_up_before_the_loop_is_the_one_every_save_uses(tmp_pat
     assert got["before"] and got["warmed"]  # none until the warm-up made it
     assert got["used"] == [True, True]  # both saves wrote through the warmed-up queue
     assert got["latest"] == str(tmp_path / "checkpoints" / "step000002") and got["left"] == ["step000002"]
+
+
+_KILLED_RANK = """
+import os, signal, sys, threading
+import realscale.train.checkpoint as ck
+t = threading.Thread(target=ck.start_writer_queue)  # as Checkpointer.warm_up: on a thread that ends
+t.start(); t.join()
+import psutil
+print(",".join(str(c.pid) for c in psutil.Process().children()), flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_writers_manager_process_dies_with_a_killed_rank() -> None:
+    """megatron's writer queue lives in a spawned manager process that nothing stops when
+    its rank is SIGKILLed (megatron-core 0.16.1 filesystem_async.py 51-56); the one
+    start_writer_queue makes exits with its rank, though a thread started it (the
+    kernel's parent-death signal would have killed it when that thread ended)."""
+    import sys
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().strip().split(",") if p]
+        assert pids, "start_writer_queue started no manager process"
+        time.sleep(1.5)  # past the creating thread's end and one watch period: still there
+        assert all(psutil.pid_exists(p) for p in pids)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == -9
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, f"manager process(es) {pids} outlived the killed rank"
+            time.sleep(0.2)
+    finally:
+        proc.kill()

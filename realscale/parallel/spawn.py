@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -48,8 +49,6 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     start an other library owns and that a parent's *thread* starts, where
     :func:`die_with_parent` would not do: the kernel's parent-death signal follows the
     creating thread, not its process."""
-    import threading
-
     parent = os.getppid()
 
     def watch() -> None:

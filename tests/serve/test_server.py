@@ -190,3 +190,42 @@ def test_abort_request_by_rid(tiny_server) -> None:
     assert meta["finish_reason"]["type"] == "abort"
     assert 0 < meta["completion_tokens"] < 250 and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert rest["meta_info"]["finish_reason"] == {"type": "length", "length": 250}
+
+
+def test_full_queue_prefills_in_batches_not_beside_every_decode() -> None:
+    """With more requests queued than slots, a finished request's slot is not refilled by
+    a one-row prefill beside the next decode step: new requests wait until a quarter of
+    the slots are free (``Engine._admit_now``). Without that rule this load ran a prefill
+    beside nearly every decode step. A lone request still starts at once."""
+    from realscale.serve.engine import Request, SamplingOptions
+    from realscale.serve.server import EmbeddedServer
+
+    server = EmbeddedServer("tiny-qwen2", max_running=8, context_length=128)
+    engine, calls = server.engine, {"prefill": [], "decode": 0}
+    prefill, decode = engine._prefill, engine._decode
+
+    def counted_prefill(reqs):
+        calls["prefill"].append(len(reqs))
+        return prefill(reqs)
+
+    def counted_decode(reqs):
+        calls["decode"] += 1
+        return decode(reqs)
+
+    engine._prefill, engine._decode = counted_prefill, counted_decode
+    try:
+        lengths = [2 + (7 * i) % 13 for i in range(48)]  # staggered finishes, as sampled answers
+        futures = [engine.submit(Request(rid=str(i), input_ids=[3, 4, 5 + i % 7], params=SamplingOptions(
+            max_new_tokens=n, ignore_eos=True))) for i, n in enumerate(lengths)]
+        done = [f.result(timeout=60) for f in futures]
+        assert [len(r.output_ids) for r in done] == lengths
+        assert sum(calls["prefill"]) == 48
+        # every prefill after the first admits at least a quarter of the slots (2 of 8),
+        # except the queue's last requests, which are fewer
+        assert all(n >= 2 for n in calls["prefill"][:-1]), calls["prefill"]
+        assert len(calls["prefill"]) <= 48 // 2 + 1 < calls["decode"]
+        lone = engine.submit(Request(rid="lone", input_ids=[3], params=SamplingOptions(max_new_tokens=2,
+                                                                                       ignore_eos=True)))
+        assert len(lone.result(timeout=30).output_ids) == 2
+    finally:
+        server.close()

@@ -266,19 +266,41 @@ class Engine:
         return not self.running or (free > 0 and free >= min(self.admit_batch, len(self.waiting)))
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """Prefill prompt (+ output kept from a retraction) into the next free slots."""
+        """Prefill prompt (+ output kept from a retraction) into the next free slots.
+
+        Requests with the same tokens (a group's samples of one prompt) share one row of
+        the forward pass: the others get that row's logits and a copy of its KV cache, as
+        SGLang's and vLLM's prefix caches share a prompt's KV. A request that wants its
+        routed experts gets a row of its own (the routing is recorded per row)."""
         slot0 = len(self.running)
         seqs = [r.input_ids + r.output_ids for r in reqs]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, :len(s)] = torch.tensor(s)
-        lengths = torch.tensor([len(s) for s in seqs])
+        row_of: dict[tuple[int, ...], int] = {}  # tokens -> the row that runs them
+        rows: list[int] = []  # indices into reqs that get a row
+        copies: list[tuple[int, int]] = []  # (index into reqs, the row it copies)
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            key = tuple(s)
+            if not r.return_routed_experts and key in row_of:
+                copies.append((i, row_of[key]))
+                continue
+            if not r.return_routed_experts:
+                row_of[key] = len(rows)
+            rows.append(i)
+        width = max(len(seqs[i]) for i in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, i in enumerate(rows):
+            ids[b, :len(seqs[i])] = torch.tensor(seqs[i])
+        lengths = torch.tensor([len(seqs[i]) for i in rows])
         dev = self.runner.device
+        reqs = [reqs[i] for i in rows] + [reqs[i] for i, _ in copies]  # slot order: the rows, then the copies
         self.running.extend(reqs)  # before the forward: a failed step aborts them with the others
-        logits = self.runner.forward(slot0, ids.to(dev), torch.zeros(len(reqs), dtype=torch.long, device=dev),
+        logits = self.runner.forward(slot0, ids.to(dev), torch.zeros(len(rows), dtype=torch.long, device=dev),
                                      (lengths - 1).to(dev))
-        self._keep_routing(reqs, [0] * len(reqs), lengths.tolist())
+        self._keep_routing(reqs[:len(rows)], [0] * len(rows), lengths.tolist())
+        if copies:
+            src = [b for _, b in copies]
+            for j, b in enumerate(src):  # before sampling: a request finishing there moves slots
+                self.runner.move_slot(slot0 + b, slot0 + len(rows) + j, int(lengths[b]))
+            logits = torch.cat([logits, logits[torch.tensor(src, device=logits.device)]])
         self._sample_and_advance(reqs, slot0, logits)
 
     def _decode(self, reqs: list[Request]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -227,5 +228,57 @@ def test_full_queue_prefills_in_batches_not_beside_every_decode() -> None:
         lone = engine.submit(Request(rid="lone", input_ids=[3], params=SamplingOptions(max_new_tokens=2,
                                                                                        ignore_eos=True)))
         assert len(lone.result(timeout=30).output_ids) == 2
+    finally:
+        server.close()
+
+
+def test_same_prompt_prefilled_once_and_copies_decode_alike() -> None:
+    """A group's samples of one prompt share one prefill row (the others copy its KV
+    cache and logits, ``Engine._prefill``). Greedy, every copy must continue exactly as
+    the same prompt prefilled alone does (a wrong or missing KV copy changes the tokens);
+    sampled, the copies still draw their own tokens."""
+    from realscale.serve.engine import Request, SamplingOptions
+    from realscale.serve.server import EmbeddedServer
+
+    server = EmbeddedServer("tiny-qwen2", max_running=16, context_length=128)
+    engine, rows = server.engine, []
+    forward = engine.runner.forward
+
+    def counted(slot0, ids, start, last):
+        rows.append(ids.shape[0])
+        return forward(slot0, ids, start, last)
+
+    engine.runner.forward = counted
+    try:
+        def run(prompts, temperature, n_new=12):
+            futures = [engine.submit(Request(rid=f"{temperature}-{i}", input_ids=p, return_logprob=True,
+                                             params=SamplingOptions(max_new_tokens=n_new, temperature=temperature,
+                                                                    ignore_eos=True)))
+                       for i, p in enumerate(prompts)]
+            return [f.result(timeout=60) for f in futures]
+
+        a, b = [5, 9, 2, 7, 7, 1], [4, 4, 8]
+        alone = run([a], 0.0)[0]
+        rows.clear()
+        engine.call(lambda: engine.pause("in_place")).result(10)  # queue all six, then admit them in one step
+        futures_done = []
+        try:
+            t = threading.Thread(target=lambda: futures_done.extend(run([a, b, a, a, b, a], 0.0)))
+            t.start()
+            deadline = time.monotonic() + 10
+            while len(engine.waiting) < 6:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        finally:
+            engine.call(engine.resume)
+        t.join(60)
+        assert rows[0] == 2  # six requests, two distinct prompts: two prefill rows
+        got = {r.rid: r for r in futures_done}
+        for rid in ("0.0-0", "0.0-2", "0.0-3", "0.0-5"):
+            assert got[rid].output_ids == alone.output_ids
+            assert got[rid].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got["0.0-1"].output_ids == got["0.0-4"].output_ids
+        sampled = run([a] * 8, 1.0)
+        assert len({tuple(r.output_ids) for r in sampled}) > 1
     finally:
         server.close()

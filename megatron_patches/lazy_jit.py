@@ -50,7 +50,6 @@ def compile_on_first_call(fn: Callable | None = None, **options: Any) -> Any:
                     compiled.append(torch.compile(fn, **options))
         return compiled[0](*args, **kwargs)
 
-    call.__wrapped_compile_options__ = options  # type: ignore[attr-defined]
     return call
 
 

@@ -114,7 +114,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.max_running = max_running
-        self.admit_batch = max(1, max_running // ADMIT_FRACTION)
+        self.admit_batch = max(1, max_running // ADMIT_FRACTION)  # 1: admit whenever a slot is free
+        self.share_prefill = True  # False: every request its own prefill row (benchmarks compare)
         self.weight_version = weight_version
         self.runner = runner
         self.vocab_size = runner.vocab_size
@@ -279,7 +280,7 @@ class Engine:
         copies: list[tuple[int, int]] = []  # (index into reqs, the row it copies)
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             key = tuple(s)
-            if not r.return_routed_experts and key in row_of:
+            if self.share_prefill and not r.return_routed_experts and key in row_of:
                 copies.append((i, row_of[key]))
                 continue
             if not r.return_routed_experts:

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _stats import load_average  # noqa: E402 - benchmarks/ is not a package
+from _cli import REPO, run_realscale  # noqa: E402 - benchmarks/ is not a package
+from _stats import load_average  # noqa: E402
 
 LOAD_BEFORE = load_average()
 SCHEDULES = {"before": (False, False), "batched admission": (True, False), "+ shared prefill": (True, True)}
@@ -114,7 +115,6 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "server_schedule.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from _cli import REPO, run_realscale
 
     tiny = args.tiny_model or next((p for p in (os.path.join(REPO, "runs", d, "sft") for d in (
         "bench_vs_peers", "bench_startup", "bench_server_schedule")) if os.path.isfile(os.path.join(p, "model.safetensors"))),

@@ -72,22 +72,44 @@ def _mv_equal(gold: str, pred: str) -> tuple[bool, str]:
 
 
 def _check(completion: str, reference: str) -> Outcome:
-    max_chars = _settings["max_chars"]
-    gold = reference_answer(reference)
-    if len(gold) > max_chars:
-        return 0.0, TOO_LONG, f"reference answer has {len(gold)} chars > {max_chars}"
-    found = extract_answer(completion)
-    if found is None:
-        return 0.0, NO_ANSWER, ""
-    pred, rule = found
-    if len(pred) > max_chars:
-        return 0.0, TOO_LONG, f"answer has {len(pred)} chars > {max_chars}"
-    if _settings["fast_path"]:
-        verdict = fast_check(gold, pred)
-        if verdict is not None:
-            return float(verdict), OK, f"{rule}/fast"
+    outcome, gold, pred, rule = _without_sympy(completion, reference, _settings["max_chars"], _settings["fast_path"])
+    if outcome is not None:
+        return outcome
     equal, how = _mv_equal(gold, pred)
     return float(equal), OK, f"{rule}/{how}"
+
+
+def _without_sympy(completion: str, reference: str, max_chars: int, fast_path: bool
+                   ) -> tuple[Outcome | None, str, str, str]:
+    """Everything of a check before math-verify: the outcome if that settles it (no
+    answer, too long, or the fast path's verdict), else ``None`` with the extracted
+    reference answer, answer and extraction rule for math-verify."""
+    gold = reference_answer(reference)
+    if len(gold) > max_chars:
+        return (0.0, TOO_LONG, f"reference answer has {len(gold)} chars > {max_chars}"), gold, "", ""
+    found = extract_answer(completion)
+    if found is None:
+        return (0.0, NO_ANSWER, ""), gold, "", ""
+    pred, rule = found
+    if len(pred) > max_chars:
+        return (0.0, TOO_LONG, f"answer has {len(pred)} chars > {max_chars}"), gold, pred, rule
+    if fast_path:
+        verdict = fast_check(gold, pred)
+        if verdict is not None:
+            return (float(verdict), OK, f"{rule}/fast"), gold, pred, rule
+    return None, gold, pred, rule
+
+
+def settle_without_sympy(completion: str, reference: str, max_chars: int) -> Outcome | None:
+    """The check's outcome when it needs no math-verify (plain numbers, no answer, too
+    long), computed in the caller's process; ``None`` when math-verify must decide, or
+    when anything raised (the worker then runs it and reports the error). Only for short
+    inputs: extraction and the fast path are a few regexes over the text with no timer,
+    so the caller bounds the text (:data:`realscale.reward.math_reward.IN_PROCESS_CHARS`)."""
+    try:
+        return _without_sympy(completion, reference, max_chars, True)[0]
+    except Exception:  # noqa: BLE001 - the worker reruns it under its timer and names the error
+        return None
 
 
 def check(item: tuple[str, str]) -> Outcome:

@@ -4,6 +4,14 @@ Checks run in a :class:`~realscale.reward.pool.WatchdogPool` because math-verify
 can take unbounded time and its timeouts rely on signals, which only work in a process's
 main thread. A check that times out, crashes its worker, or gets input over the length
 cap scores 0 with the reason counted in :meth:`MathReward.stats`; the run never hangs.
+
+A short completion is first tried in the caller's process: extraction and the plain-number
+fast path (:mod:`realscale.reward.math_fast`) are a few regexes over at most
+:data:`IN_PROCESS_CHARS` characters, and they settle most RL answers (numbers) with no
+sympy. Only what needs math-verify crosses to a worker: the round trip (pickling, a pipe,
+a thread hand-off per check) cost more than the check itself, and with a rollout of
+hundreds of samples a step on a two-core machine it took CPU from the trainer (the default
+recipe's rollout process spent about half its time there, profiled: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -14,6 +22,11 @@ import threading
 from concurrent.futures import Future
 
 from realscale.reward import math_check
+
+# Completions and references up to this many characters are tried in the caller's process
+# first (math_check.settle_without_sympy): the regexes' cost is bounded by the length, and
+# no timer guards them there.
+IN_PROCESS_CHARS = 4096
 from realscale.reward.pool import WatchdogPool, WorkerCrashed, WorkerTimeout
 from realscale.reward.result import CRASH, ERROR, REASONS, TIMEOUT, TOO_LONG, RewardResult
 
@@ -25,7 +38,9 @@ class MathReward:
     if the check is stuck where the timer cannot interrupt it). ``max_chars``: an extracted
     answer or reference longer than this scores 0 as ``too_long`` before any parsing;
     ``max_completion_chars`` caps the completion itself (it is scanned for the answer).
-    ``fast_path=False`` sends every check to math-verify (for comparisons).
+    ``fast_path=False`` sends every check to math-verify (for comparisons); with it on,
+    checks the fast path settles run in the caller's process (``in_process`` in
+    :meth:`stats`), the rest in the pool.
     """
 
     def __init__(self, workers: int = 2, timeout: float = 5.0, max_chars: int = 2000, *,
@@ -38,6 +53,7 @@ class MathReward:
         self.timeout = float(timeout)
         self.max_chars = int(max_chars)
         self.max_completion_chars = int(max_completion_chars)
+        self.fast_path = bool(fast_path)
         grace = max(1.0, 0.5 * self.timeout)
         self._pool = WatchdogPool(math_check.check, int(workers), self.timeout + grace,
                                   init=math_check.init_worker,
@@ -54,7 +70,8 @@ class MathReward:
     # ---------------------------------------------------------------- scoring
 
     async def score(self, completion: str, reference: str) -> RewardResult:
-        """Score one completion off the event loop (concurrent calls are batched together)."""
+        """Score one completion: settled here when the fast path can (bounded work), else
+        off the event loop in the pool (concurrent calls are batched together)."""
         return (await self.score_many_async([(completion, reference)]))[0]
 
     async def score_many_async(self, pairs: list[tuple[str, str]]) -> list[RewardResult]:
@@ -69,10 +86,11 @@ class MathReward:
 
     def stats(self) -> dict[str, int]:
         """Checks so far by reason (ok, timeout, crash, too_long, no_answer, error) plus ``correct``
-        and ``worker_restarts``."""
+        , ``worker_restarts`` and ``in_process`` (checks settled without the pool)."""
         with self._lock:
             out = {reason: self._counts.get(reason, 0) for reason in REASONS}
             out["correct"] = self._counts.get("correct", 0)
+            out["in_process"] = self._counts.get("in_process", 0)
         out["worker_restarts"] = self._pool.restarts
         return out
 
@@ -103,11 +121,25 @@ class MathReward:
             futures.append(fut)
             if len(completion) > self.max_completion_chars:
                 fut.set_result((0.0, TOO_LONG, f"completion has {len(completion)} chars > {self.max_completion_chars}"))
+                continue
+            settled = self._settle_here(completion, reference)
+            if settled is not None:
+                fut.set_result(settled)
             else:
                 todo.append((i, (completion, reference)))
         for (i, _), pool_fut in zip(todo, self._pool.submit_many([pair for _, pair in todo])):
             futures[i] = pool_fut
         return futures
+
+    def _settle_here(self, completion: str, reference: str) -> math_check.Outcome | None:
+        """The outcome without the pool when the fast path settles a short check, else None."""
+        if not self.fast_path or len(completion) > IN_PROCESS_CHARS or len(reference) > IN_PROCESS_CHARS:
+            return None
+        outcome = math_check.settle_without_sympy(completion, reference, self.max_chars)
+        if outcome is not None:
+            with self._lock:
+                self._counts["in_process"] += 1
+        return outcome
 
     def _finish(self, fut: Future) -> RewardResult:
         """Turn a pool future into a RewardResult and count its reason."""
@@ -126,6 +158,8 @@ class MathReward:
         return RewardResult(value, reason, detail)
 
     async def _await(self, fut: Future) -> RewardResult:
+        if fut.done():  # settled in this process: no hop through the loop's self-pipe
+            return self._finish(fut)
         try:
             await asyncio.wrap_future(fut)
         except Exception:  # noqa: BLE001 - _finish reads the exception and turns it into a reason

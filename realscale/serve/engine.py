@@ -3,7 +3,9 @@
 Each scheduler iteration (1) runs control commands (pause, continue, abort, weight
 swaps) between forward passes, (2) prefills newly arrived requests into free KV slots,
 (3) runs ONE batched decode step for every running request, (4) lets finished requests
-leave. A long answer therefore never holds up short ones, and a pause takes effect
+leave. With the slots full, waiting requests are admitted in batches (a quarter of the
+slots at a time, :meth:`Engine._admit_now`), and a group's identical prompts share one
+prefill row (:meth:`Engine._prefill`). A long answer therefore never holds up short ones, and a pause takes effect
 within one forward pass.
 
 Pause modes follow SGLang's ``/pause_generation``:
@@ -49,7 +51,6 @@ log = logging.getLogger(__name__)
 # With the queue full, new requests are prefilled once a 1/ADMIT_FRACTION of the slots is
 # free (Engine._admit_now).
 ADMIT_FRACTION = 4
-
 
 
 def running_abort(message: str | None = None, status_code: int | None = None) -> dict[str, Any]:
@@ -262,7 +263,8 @@ class Engine:
         once ``admit_batch`` slots are free (or every waiting request fits). Why: a prefill
         is a forward pass of its own, and with the queue full, admitting whenever one
         request finished put a one-row prefill beside nearly every decode step (the default
-        recipe: 154 prefills to 169 decodes, most of them per-call overhead)."""
+        recipe: 147 prefills to 167 decodes, most of them per-call overhead;
+        bench_server_schedule.py)."""
         free = self.max_running - len(self.running)
         return not self.running or (free > 0 and free >= min(self.admit_batch, len(self.waiting)))
 
@@ -279,11 +281,11 @@ class Engine:
         rows: list[int] = []  # indices into reqs that get a row
         copies: list[tuple[int, int]] = []  # (index into reqs, the row it copies)
         for i, (r, s) in enumerate(zip(reqs, seqs)):
-            key = tuple(s)
-            if self.share_prefill and not r.return_routed_experts and key in row_of:
+            shareable, key = self.share_prefill and not r.return_routed_experts, tuple(s)
+            if shareable and key in row_of:
                 copies.append((i, row_of[key]))
                 continue
-            if not r.return_routed_experts:
+            if shareable:
                 row_of[key] = len(rows)
             rows.append(i)
         width = max(len(seqs[i]) for i in rows)

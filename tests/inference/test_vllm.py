@@ -36,8 +36,9 @@ if not any(ep.value.startswith("realscale.") for ep in entry_points(group="vllm.
 
 # fp32 on both sides. On this project's dev machine the largest per-token gap over 12 rounds
 # of test_generation_logprobs_equal_megatron was 1.2e-5 (the AVX-512 kernel build; the
-# AVX2 build was measured on the one-worker server only); one CI machine reached 3.4e-4 once (2026-12-02, T=1.0). Stale weights differ by
-# > 1e-2: the test checks that margin on the same tokens, so TOL stays 10x below it.
+# AVX2 build was measured on the one-worker server only); one CI machine reached 3.4e-4
+# once (2026-12-02, T=1.0). Stale weights differ by > 1e-2: the test checks that margin
+# on the same tokens, so TOL stays 10x below it.
 TOL = 1e-3
 PROMPTS = [[10, 11, 12], list(range(40, 70)), [99, 100, 101, 102, 103]]
 N_LONG = 1600  # tokens of each answer in the mid-generation test

@@ -127,3 +127,24 @@ def test_stats_count_every_reason(reward: MathReward) -> None:
     assert after["ok"] - before["ok"] == 2
     assert after["no_answer"] - before["no_answer"] == 1
     assert after["correct"] - before["correct"] == 1
+
+
+def test_plain_number_checks_settle_in_process_with_the_workers_verdicts(reward: MathReward,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checks the fast path settles never reach the pool (most of the labelled cases, every
+    GSM8K-style number), and their outcomes are exactly what a worker returns for them."""
+    import realscale.reward.math_reward as math_reward
+
+    pairs = [(c["completion"], c["reference"]) for c in _cases()]
+    before = reward.stats()["in_process"]
+    here = reward.score_batch(pairs)
+    settled = reward.stats()["in_process"] - before
+    assert settled > 0.5 * len(pairs)
+    assert reward.score_batch([("so the total is 42", "#### 42")])[0].value == 1.0
+    assert reward.stats()["in_process"] == before + settled + 1
+    monkeypatch.setattr(math_reward, "IN_PROCESS_CHARS", 0)  # every check through a worker
+    in_workers = reward.score_batch(pairs)
+    assert reward.stats()["in_process"] == before + settled + 1
+    assert [(r.value, r.reason, r.detail) for r in here] == [(r.value, r.reason, r.detail) for r in in_workers]
+    symbolic = reward.score_batch([("the answer is $\\sqrt{2}/2$", "\\frac{1}{\\sqrt{2}}")])[0]
+    assert symbolic.value == 1.0 and symbolic.detail.endswith("math-verify")  # sympy's work stays in a worker

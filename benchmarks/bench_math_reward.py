@@ -17,19 +17,34 @@ Accuracy of both is measured on all labelled cases. A fresh pool per measurement
 start-up is not timed (a trainer starts it once).
 
     python benchmarks/bench_math_reward.py [--numeric 4000]
+
+With ``--rollout``, the pattern a rollout process has instead of a batch: checks arrive
+one at a time (each answer as its generation finishes, ``--gap-ms`` apart) and each is
+awaited by its own task on the event loop. Two ways, alternating, same items:
+``in_process`` (what MathReward does: checks the fast path settles run in the caller)
+and ``pool`` (every check through the worker pool, as before: ``IN_PROCESS_CHARS = 0``),
+and ``harness`` (the arrivals alone, no check: the loop's timers, taken out of both).
+Measured: CPU seconds per check, this process and the pool's workers together (what a
+rollout process takes from the trainer on a shared machine). Writes
+``benchmarks/results/math_reward_rollout.json``.
+
+    python benchmarks/bench_math_reward.py --rollout [--checks 1000] [--gap-ms 5] [--reps 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import multiprocessing as mp
 import os
 import platform
 import random
+import statistics
 import time
 
+import realscale.reward.math_reward as math_reward
 from realscale.reward.math_reward import MathReward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,10 +115,86 @@ def run_ours(pairs: list[tuple[str, str]], workers: int) -> tuple[float, list[bo
         return time.perf_counter() - t0, [r.value == 1.0 for r in results]
 
 
+def arith_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """The default recipe's answers: direct or worked sums ("(3+9=12,2+1+1=4)42"), right or not."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 29), rng.randint(0, 29)
+        said = a + b if rng.random() < 0.7 else a + b + rng.choice([-10, -1, 1, 10])
+        worked = f"({a % 10}+{b % 10}={a % 10 + b % 10},{a // 10}+{b // 10}+{(a % 10 + b % 10) // 10}=" \
+                 f"{a // 10 + b // 10 + (a % 10 + b % 10) // 10}){said}"
+        out.append((worked if rng.random() < 0.5 else str(said), str(a + b)))
+    return out
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def _trickle(reward: MathReward | None, pairs: list[tuple[str, str]], gap_s: float) -> list[float]:
+    async def one(i: int, pair: tuple[str, str]) -> float:
+        await asyncio.sleep(i * gap_s)
+        return 0.0 if reward is None else (await reward.score(*pair)).value
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(pairs))))
+
+
+def rollout_pattern(checks: int, gap_ms: float, reps: int) -> None:
+    """CPU per check with one check arriving at a time: in the caller vs through the pool."""
+    pairs = (arith_pairs(checks // 2) + synthetic_numeric(checks - checks // 2, seed=1))
+    random.Random(2).shuffle(pairs)
+    keep = math_reward.IN_PROCESS_CHARS
+    runs: dict[str, list[dict[str, float]]] = {"in_process": [], "pool": [], "harness": []}
+    load = os.getloadavg()
+    with MathReward(workers=2, timeout=5.0) as reward:
+        math_reward.IN_PROCESS_CHARS = 0
+        reward.score_batch([("\\boxed{\\frac{1}{2}}", "0.5")] * 4)  # workers up and warm
+        verdicts: dict[str, list[float]] = {}
+        for _ in range(reps):
+            for mode in ("in_process", "pool", "harness"):
+                math_reward.IN_PROCESS_CHARS = keep if mode == "in_process" else 0
+                pids = [os.getpid(), *reward._pool.pids()]
+                cpu0, t0 = _cpu_seconds(pids), time.perf_counter()
+                verdicts[mode] = asyncio.run(_trickle(None if mode == "harness" else reward, pairs, gap_ms / 1000))
+                cpu, wall = _cpu_seconds(pids) - cpu0, time.perf_counter() - t0
+                runs[mode].append({"cpu_ms_per_check": 1000 * cpu / len(pairs), "wall_s": wall})
+                print(f"{mode:10} {1000 * cpu / len(pairs):7.3f} ms CPU/check, wall {wall:.2f} s", flush=True)
+        math_reward.IN_PROCESS_CHARS = keep
+    assert verdicts["in_process"] == verdicts["pool"], "the two ways disagree"
+    med = {m: statistics.median(r["cpu_ms_per_check"] for r in rs) for m, rs in runs.items()}
+    net = {m: med[m] - med["harness"] for m in ("in_process", "pool")}  # the arrivals' own cost taken out
+    print(f"median CPU per check: in_process {med['in_process']:.3f} ms, pool {med['pool']:.3f} ms, "
+          f"the arrivals alone {med['harness']:.3f} ms; net of them {net['in_process']:.3f} vs {net['pool']:.3f} ms "
+          f"({net['pool'] / net['in_process']:.1f}x)")
+    out = os.path.join(HERE, "results", "math_reward_rollout.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                   "load_before": load, "load_after": os.getloadavg(), "checks": len(pairs), "gap_ms": gap_ms,
+                   "runs": runs, "median_cpu_ms_per_check": med, "net_of_arrivals_ms": net,
+                   "ratio_net": net["pool"] / net["in_process"]},
+                  fh, indent=2)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numeric", type=int, default=4000, help="numeric checks per measurement")
+    ap.add_argument("--rollout", action="store_true", help="one check at a time, in the caller vs through the pool")
+    ap.add_argument("--checks", type=int, default=1000)
+    ap.add_argument("--gap-ms", type=float, default=5.0)
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    if args.rollout:
+        _quiet()
+        rollout_pattern(args.checks, args.gap_ms, args.reps)
+        return
     _quiet()
     cases = load_cases()
     labelled = [(c["completion"], c["reference"]) for c in cases]

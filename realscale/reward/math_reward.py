@@ -72,7 +72,7 @@ class MathReward:
     async def score(self, completion: str, reference: str) -> RewardResult:
         """Score one completion: settled here when the fast path can (bounded work), else
         off the event loop in the pool (concurrent calls are batched together)."""
-        return (await self.score_many_async([(completion, reference)]))[0]
+        return await self._await(self._submit([(completion, reference)])[0])
 
     async def score_many_async(self, pairs: list[tuple[str, str]]) -> list[RewardResult]:
         """Score many ``(completion, reference)`` pairs without blocking the event loop."""

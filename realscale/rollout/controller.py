@@ -144,6 +144,10 @@ class RolloutController:
         # Model tokens of every finished group, trained or filtered out: what the servers did
         # (trained tokens alone hide the work the filters throw away).
         self._generated_tokens = 0
+        # When a group last finished (trained or filtered out): a trainer's wait for a batch
+        # is limited by the time without one (process.wait_for_groups), since a filter that
+        # rejects most groups makes a healthy batch take many rounds of generation.
+        self.last_group_at = time.monotonic()
         self._failures: collections.Counter[str] = collections.Counter()
         self._consecutive_failures = 0
         self._fatal: RolloutError | None = None
@@ -433,6 +437,7 @@ class RolloutController:
         with self._cond:
             self._finished_locked(version)
             self._consecutive_failures = 0
+            self.last_group_at = time.monotonic()
             self._generated_tokens += sum(sum(t.loss_mask) for t in trajectories)
             if verdict == "accept" and self._too_stale_locked(group):
                 verdict = "stale"

@@ -88,26 +88,33 @@ def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> Roll
 
 def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int, poll_s: float | None = None,
                     waited_s: float = 0.0) -> list["Group"] | None:
-    """``num_groups`` groups from the controller, waiting at most the batch limit that
-    follows from the recipe's generation length and the measured decode rate (none while
-    the request limit is none; realscale/inference/timeouts.py). The limit is re-read while
-    waiting, as rates get measured. ``poll_s``: return None after that many seconds
-    without a batch (the caller waits in slices; ``waited_s``: what earlier slices of the
-    same wait counted towards the limit)."""
+    """``num_groups`` groups from the controller, raising TimeoutError once no group has
+    finished (trained or filtered out) for the batch limit that follows from the recipe's
+    generation length and the measured decode rate (none while the request limit is none;
+    realscale/inference/timeouts.py). The limit is re-read while waiting, as rates get
+    measured. It counts from the later of the wait's start and the last finished group:
+    with the all-equal filter rejecting most groups (an untrained policy), a healthy batch
+    takes many rounds of generation, which a limit on the whole wait would end (it did, on
+    a slow CI machine: SGLang-on-CPU, ~100 s for one batch). ``poll_s``: return None after
+    that many seconds without a batch (the caller waits in slices; ``waited_s``: what
+    earlier slices of the same wait counted towards the limit)."""
     r, g = cfg.rollout, cfg.generate
     now = time.monotonic()
     start, until = now - waited_s, None if poll_s is None else now + poll_s
     while True:
         limit = controller.client.timeouts.batch_limit(
             g.max_new_tokens, num_groups * r.n_samples, g.num_servers * g.max_running_requests)
-        left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - (time.monotonic() - start))
+        idle = time.monotonic() - max(start, controller.last_group_at)
+        left = BATCH_POLL_S if limit is None else min(BATCH_POLL_S, limit - idle)
         if until is not None:
             left = min(left, until - time.monotonic())
         try:
             return controller.get_batch(num_groups, timeout=max(left, 0.0))
-        except TimeoutError:
-            if limit is not None and time.monotonic() - start >= limit:
-                raise
+        except TimeoutError as exc:
+            idle = time.monotonic() - max(start, controller.last_group_at)
+            if limit is not None and idle >= limit:
+                raise TimeoutError(f"{exc}; no group finished for {idle:.0f} s, past the batch limit of "
+                                   f"{limit:.0f} s (generate.request_timeout, generate.timeout_slack)") from None
             if until is not None and time.monotonic() >= until:
                 return None
 

@@ -198,3 +198,51 @@ def test_started_with_go_waits_for_a_server_still_starting(server, arith_jsonl, 
         rollouts.stop()
         loop.call_soon_threadsafe(stop.set)
         thread.join(10)
+
+
+class _FilteringController:
+    """Just what wait_for_groups reads: a batch limit, get_batch, last_group_at. Groups keep
+    finishing (filtered out) every ``every`` seconds; the batch is ready at ``ready_at``
+    (None: never)."""
+
+    def __init__(self, limit: float, every: float | None, ready_at: float | None) -> None:
+        import time
+        from types import SimpleNamespace
+
+        self._t0 = time.monotonic()
+        self.last_group_at = self._t0
+        self._every, self._ready_at = every, ready_at
+        self.client = SimpleNamespace(timeouts=SimpleNamespace(batch_limit=lambda *a: limit))
+
+    def get_batch(self, num_groups: int, timeout: float) -> list[str]:
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            now = time.monotonic()
+            if self._ready_at is not None and now - self._t0 >= self._ready_at:
+                return ["group"] * num_groups
+            if self._every is not None and now - self.last_group_at >= self._every:
+                self.last_group_at = now
+            time.sleep(0.01)
+        raise TimeoutError(f"get_batch: 0 of {num_groups} groups ready after {timeout} s")
+
+
+def test_batch_wait_limits_time_without_a_finished_group_not_the_whole_wait() -> None:
+    """The all-equal filter can reject most groups: a batch that keeps the servers busy for
+    several batch limits is not hung as long as groups finish; one with no group finishing
+    for the limit is, and the error says so."""
+    from realscale.rollout.process import wait_for_groups
+
+    cfg = load_config(None)
+    busy = _FilteringController(limit=0.4, every=0.1, ready_at=1.2)  # 3x the limit, groups finishing
+    assert wait_for_groups(busy, cfg, 2) == ["group", "group"]
+    stuck = _FilteringController(limit=0.4, every=None, ready_at=None)
+    with pytest.raises(TimeoutError, match="no group finished for 0 s, past the batch limit of 0 s"):
+        wait_for_groups(stuck, cfg, 2)
+    sliced = _FilteringController(limit=0.4, every=0.1, ready_at=1.2)  # the trainer's slices of POLL_S
+    waited, got = 0.0, None
+    while got is None:
+        got = wait_for_groups(sliced, cfg, 2, poll_s=0.15, waited_s=waited)
+        waited += 0.15
+    assert got == ["group", "group"]

@@ -22,13 +22,13 @@ import threading
 from concurrent.futures import Future
 
 from realscale.reward import math_check
+from realscale.reward.pool import WatchdogPool, WorkerCrashed, WorkerTimeout
+from realscale.reward.result import CRASH, ERROR, REASONS, TIMEOUT, TOO_LONG, RewardResult
 
 # Completions and references up to this many characters are tried in the caller's process
 # first (math_check.settle_without_sympy): the regexes' cost is bounded by the length, and
 # no timer guards them there.
 IN_PROCESS_CHARS = 4096
-from realscale.reward.pool import WatchdogPool, WorkerCrashed, WorkerTimeout
-from realscale.reward.result import CRASH, ERROR, REASONS, TIMEOUT, TOO_LONG, RewardResult
 
 
 class MathReward:

@@ -5,8 +5,8 @@ swaps) between forward passes, (2) prefills newly arrived requests into free KV 
 (3) runs ONE batched decode step for every running request, (4) lets finished requests
 leave. With the slots full, waiting requests are admitted in batches (a quarter of the
 slots at a time, :meth:`Engine._admit_now`), and a group's identical prompts share one
-prefill row (:meth:`Engine._prefill`). A long answer therefore never holds up short ones, and a pause takes effect
-within one forward pass.
+prefill row (:meth:`Engine._prefill`). A long answer therefore never holds up short ones,
+and a pause takes effect within one forward pass.
 
 Pause modes follow SGLang's ``/pause_generation``:
 

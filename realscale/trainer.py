@@ -93,7 +93,6 @@ class Trainer:
         if self.is_driver and cfg.parallel.mode != "colocated" and self.checkpoints.latest() is None:
             self.controller = self._start_rollouts(model_dir, server_urls, None, go=True)
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
-        self.checkpoints.warm_up()  # the first save's one-time set-up, while the first batch generates
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
             self.critic = CriticEngine(critic_engine_config(cfg, model_dir))

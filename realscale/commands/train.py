@@ -140,12 +140,12 @@ def preflight(cfg: "Config") -> None:
 
 def run(args: argparse.Namespace) -> int:
     from realscale.config import load_config
+    from realscale.launcher.spec import TRAINER_ENTRY, EntryRef
     from realscale.launcher.supervisor import train
-    from realscale.trainer import rank_main
 
     recipe, overrides = recipe_and_overrides(args)
     if recipe is None:
         recipe = DEFAULT_RECIPE if os.path.exists(DEFAULT_RECIPE) else None
     cfg = load_config(recipe, overrides)
     preflight(cfg)
-    return train(cfg, rank_main)
+    return train(cfg, EntryRef(TRAINER_ENTRY))  # imported by the ranks, not here

@@ -83,7 +83,17 @@ class DeviceContractError(RuntimeError):
     """A tensor entered a collective without the device helper (module docstring)."""
 
 
+# CUDA (and ROCm's HIP behind torch.cuda, and WSL's) cannot run without one of these device
+# nodes: where none exists, torch need not be imported to say so.
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def cuda_usable() -> bool:
+    """Whether torch can use a CUDA device here. On a host with no GPU device node the
+    answer is no without importing torch (~2 CPU-seconds, which the supervisor's preflight
+    paid before starting anything on the 2-core default recipe)."""
+    if not any(os.path.exists(node) for node in _GPU_DEVICE_NODES):
+        return False
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() > 0

@@ -12,6 +12,12 @@ sympy. Only what needs math-verify crosses to a worker: the round trip (pickling
 a thread hand-off per check) cost more than the check itself, and with a rollout of
 hundreds of samples a step on a two-core machine it took CPU from the trainer (the default
 recipe's rollout process spent about half its time there, profiled: BENCHMARKS.md).
+So the pool itself starts with the first check that needs a worker: a run whose answers
+are all plain numbers (the default recipe) never starts its processes, each of which
+imports math-verify and sympy (~1 CPU-second apiece, at start-up, where the two-core
+machine's CPU decides when the first step comes). A check's timeout starts when its worker
+begins it (the pool's progress cell), so the first such check waits for the start-up
+without timing out.
 """
 
 from __future__ import annotations
@@ -54,11 +60,10 @@ class MathReward:
         self.max_chars = int(max_chars)
         self.max_completion_chars = int(max_completion_chars)
         self.fast_path = bool(fast_path)
-        grace = max(1.0, 0.5 * self.timeout)
-        self._pool = WatchdogPool(math_check.check, int(workers), self.timeout + grace,
-                                  init=math_check.init_worker,
-                                  init_args=(self.timeout, self.max_chars, fast_path),
-                                  max_batch=max_batch)
+        self._workers, self._max_batch = int(workers), int(max_batch)
+        self._pool: WatchdogPool | None = None  # started by the first check that needs it
+        self._pool_lock = threading.Lock()
+        self._closed = False
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
@@ -91,12 +96,21 @@ class MathReward:
             out = {reason: self._counts.get(reason, 0) for reason in REASONS}
             out["correct"] = self._counts.get("correct", 0)
             out["in_process"] = self._counts.get("in_process", 0)
-        out["worker_restarts"] = self._pool.restarts
+        out["worker_restarts"] = self._pool.restarts if self._pool is not None else 0
         return out
 
     def close(self) -> None:
-        """Stop the worker processes."""
-        self._pool.close()
+        """Stop the worker processes (if any started); later checks raise."""
+        with self._pool_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def started_workers(self) -> list[int]:
+        """Process ids of the live workers ([] until a check needed math-verify)."""
+        pool = self._pool
+        return pool.pids() if pool is not None else []
 
     def __enter__(self) -> "MathReward":
         return self
@@ -127,9 +141,22 @@ class MathReward:
                 fut.set_result(settled)
             else:
                 todo.append((i, (completion, reference)))
-        for (i, _), pool_fut in zip(todo, self._pool.submit_many([pair for _, pair in todo])):
-            futures[i] = pool_fut
+        if todo:
+            for (i, _), pool_fut in zip(todo, self._workers_pool().submit_many([pair for _, pair in todo])):
+                futures[i] = pool_fut
         return futures
+
+    def _workers_pool(self) -> WatchdogPool:
+        """The worker pool, started on first use."""
+        with self._pool_lock:
+            if self._closed:
+                raise RuntimeError("MathReward is closed")
+            if self._pool is None:
+                self._pool = WatchdogPool(math_check.check, self._workers, self.timeout + max(1.0, 0.5 * self.timeout),
+                                          init=math_check.init_worker,
+                                          init_args=(self.timeout, self.max_chars, self.fast_path),
+                                          max_batch=self._max_batch)
+            return self._pool
 
     def _settle_here(self, completion: str, reference: str) -> math_check.Outcome | None:
         """The outcome without the pool when the fast path settles a short check, else None."""

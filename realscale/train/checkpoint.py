@@ -34,14 +34,10 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing as mp
 import os
+import queue
 import shutil
-import threading
-from multiprocessing.managers import SyncManager
 from typing import TYPE_CHECKING, Any, Iterable
-
-from realscale.parallel.spawn import exit_with_parent
 
 if TYPE_CHECKING:
     from realscale.train.engine import MegatronEngine
@@ -105,40 +101,60 @@ def save_checkpoint(engine: "MegatronEngine", out_dir: str, step: int, extra: di
     return ckpt
 
 
-def start_writer_queue() -> Any:
-    """Megatron's checkpoint writer's result queue, started and ready for its first results.
+class InProcessResultsQueue(queue.Queue):
+    """megatron's checkpoint writer's result queue for synchronous saves: a plain
+    thread queue, refusing use from any process but the one that made it.
 
     megatron-core's ``torch_dist`` saver (``dist_checkpointing/strategies/filesystem_async.py``
-    51-56 in 0.16.1, ``_get_write_results_queue``) collects its writer processes' results
-    through a ``multiprocessing.Manager().Queue()`` made on the first save of a process, in
-    a *spawned* manager process, which then imports torch to unpickle the first results it
-    is sent (``WriteResult`` lists, put at 335 of that file): on the default recipe (2-core CPU)
-    the first save took 1.6-1.9 s against 0.3-0.4 s for later ones, over a training round
-    inside the loop (``benchmarks/bench_checkpoint.py``). Here both happen beforehand: the
-    queue is made and one empty ``WriteResult`` goes through it (nothing else uses the
-    queue yet: :meth:`Checkpointer.save` waits for this). Later saves reuse the queue, so
-    nothing a save writes or checks changes. ``_get_write_results_queue`` is a private name
-    of the pinned megatron-core: ``tests/train/test_checkpoint_storage.py`` fails if it
-    moves.
+    in 0.16.1) collects its writer's results through a queue it makes on the first save of a
+    process (51-56, ``_get_write_results_queue``: a ``multiprocessing.Manager().Queue()``, so
+    a *spawned* manager process that lives as long as the rank and imports torch to unpickle
+    the first results it is sent). That is for megatron's asynchronous save, whose
+    ``write_preloaded_data_multiproc`` runs in a forked process. Our saves are synchronous
+    (``dist_checkpointing.save`` runs the request in the rank, ``strategies/base.py`` 215
+    ``execute_sync``): the rank itself puts the results (``filesystem_async.py`` 335, after
+    its own forked writers reported through their local queue) and takes them back in
+    ``retrieve_write_results`` (439, ``get_nowait``), so the queue never leaves the process.
+    The manager cost a process (~330 MB resident, outliving a SIGKILLed rank) and ~4
+    CPU-seconds at start-up on the 2-core default recipe, where every CPU-second is on the
+    path to the first step. Should a save ever run that function in another process (an
+    asynchronous save), ``put`` there raises, and megatron's finalize reports the queue
+    empty: loud, never a result lost in silence."""
 
-    The queue is made here as megatron makes it (a spawned ``SyncManager``'s ``Queue``, kept
-    where megatron keeps it, ``_results_queue``), with one difference: the manager process
-    exits when the rank does. Megatron's outlives a SIGKILLed rank (reparented to init,
-    ~330 MB resident, for good)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.pid = os.getpid()
+
+    def _check(self) -> None:
+        if os.getpid() != self.pid:
+            raise RuntimeError(f"checkpoint writer's result queue of process {self.pid} used in process "
+                               f"{os.getpid()}: realscale's saves are synchronous (an asynchronous save needs "
+                               f"megatron's own manager queue)")
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self._check()
+        super().put(item, block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        self._check()
+        return super().get(block, timeout)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the checkpoint writer's in-process result queue cannot be sent to another process")
+
+
+def use_in_process_writer_queue() -> InProcessResultsQueue:
+    """Give megatron's ``torch_dist`` saver an :class:`InProcessResultsQueue` (where it keeps
+    its own, ``filesystem_async._results_queue``, a private name of the pinned megatron-core:
+    ``tests/train/test_checkpoint_storage.py`` fails if it moves) unless this process already
+    has one; every save of the process uses it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.storage import WriteResult
 
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=exit_with_parent)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
-    queue = filesystem_async._get_write_results_queue()
-    queue.put({0: [WriteResult(index=MetadataIndex("warm-up"), size_in_bytes=0,
-                               storage_data=_StorageInfo(relative_path="", offset=0, length=0))]})
-    queue.get()
-    return queue
+    current = filesystem_async._results_queue
+    if isinstance(current, InProcessResultsQueue) and current.pid == os.getpid():
+        return current
+    filesystem_async._results_queue = InProcessResultsQueue()
+    return filesystem_async._results_queue
 
 
 def critic_dir(ckpt_dir: str) -> str:
@@ -306,17 +322,6 @@ class Checkpointer:
         self.keep = keep
         self.pinned = tuple(pinned)
         self.is_driver = is_driver
-        self._warming: threading.Thread | None = None
-
-    def warm_up(self) -> None:
-        """Start megatron's checkpoint writer's one-time set-up now, on a thread, so that
-        the first :meth:`save` does not pay for it inside the training loop
-        (:func:`start_writer_queue`). Call it where the rank would idle anyway (the
-        trainer: while its first batch generates)."""
-        if self._warming is None:
-            self._warming = threading.Thread(target=start_writer_queue, name="checkpoint-writer-warm-up",
-                                             daemon=True)
-            self._warming.start()
 
     def latest(self) -> str | None:
         return latest_checkpoint(self.out_dir)
@@ -336,8 +341,6 @@ class Checkpointer:
              critic: "MegatronEngine | None" = None) -> str:
         """Checkpoint after ``step`` (every rank), then rotate (the driver: the new one is
         complete, older ones may go)."""
-        if self._warming is not None:  # never two set-ups at once: megatron's global is unguarded
-            self._warming.join()
         ckpt = save_checkpoint(engine, self.out_dir, step, extra, self.is_driver, critic=critic)
         if self.is_driver:
             self.rotate()

@@ -41,6 +41,7 @@ from realscale.parallel.device import comm_device, comm_empty, cuda_usable, grou
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
 from realscale.train.batch import PackedBatch
+from realscale.train.checkpoint import use_in_process_writer_queue
 from realscale.train.logprobs import logprobs_from_hidden, next_token_targets
 
 if TYPE_CHECKING:
@@ -607,6 +608,7 @@ class MegatronEngine:
 
         from megatron.core import dist_checkpointing, tensor_parallel
 
+        use_in_process_writer_queue()  # not megatron's spawned manager process (see there)
         tmp = ckpt_dir.rstrip("/") + ".tmp"
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

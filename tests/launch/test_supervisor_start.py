@@ -61,3 +61,54 @@ def test_eval_before_false_scores_nothing_and_the_summary_says_so(tmp_path, monk
     lines = supervisor.accuracy_lines(None, {"greedy": 0.9, "sampled": 0.8}, out)
     assert lines["held-out accuracy (greedy)"] == "n/a -> 90.0%"
     assert not any("paired" in k for k in lines)
+
+
+_SUPERVISOR_START = """
+import argparse, pickle, sys
+import realscale.commands.train as command
+import realscale.launcher.supervisor as supervisor
+seen = {}
+def train(cfg, entry):
+    seen["torch"] = "torch" in sys.modules
+    seen["entry"] = pickle.loads(pickle.dumps(entry))
+    return 0
+supervisor.train = train
+ap = argparse.ArgumentParser()
+command.add_arguments(ap)
+command.run(ap.parse_args(["configs/tiny_cpu.yaml", "run.output_dir=" + sys.argv[1]]))
+from realscale.launcher.spec import entry_name
+from realscale.trainer import rank_main
+print(seen["torch"], entry_name(seen["entry"]), seen["entry"].resolve() is rank_main)
+"""
+
+
+def test_the_supervisor_reaches_the_start_without_importing_torch(tmp_path) -> None:
+    """``realscale train`` checks its recipe and hands the backend the ranks' entry point by
+    name (``EntryRef``), so on a host without a GPU device node the supervisor has not
+    imported torch when it starts the servers and ranks (it paid ~2.4 CPU-seconds for it
+    before, through the trainer's import and the hardware preflight, with the other core
+    idle); the ranks import the loop themselves. Where a GPU device node exists, the
+    preflight imports torch to ask CUDA."""
+    import subprocess
+    import sys
+
+    from realscale.launcher.spec import TRAINER_ENTRY
+    from realscale.parallel.device import _GPU_DEVICE_NODES
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _SUPERVISOR_START, str(tmp_path)], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch_imported, entry, resolves = out.stdout.split()
+    assert torch_imported == str(any(os.path.exists(n) for n in _GPU_DEVICE_NODES))
+    assert entry == TRAINER_ENTRY and resolves == "True"
+
+
+def test_an_entry_ref_names_a_function() -> None:
+    from realscale.launcher.spec import EntryRef
+
+    for bad in ("realscale.trainer", ":rank_main", "realscale.trainer:"):
+        with pytest.raises(ValueError, match="is not 'module:function'"):
+            EntryRef(bad)
+    with pytest.raises(AttributeError):
+        EntryRef("realscale.trainer:no_such_function").resolve()

@@ -96,3 +96,22 @@ def test_the_device_contract_catches_a_tensor_that_skipped_the_helper(monkeypatc
     monkeypatch.setenv(CONTRACT_ENV, "cuda")
     with pytest.raises(BackendError, match=CONTRACT_ENV):
         check_comm(host, "gloo")
+
+
+def test_cuda_usable_without_a_gpu_device_node_does_not_import_torch(tmp_path) -> None:
+    """No device node CUDA (or HIP, or WSL's) needs: False, and torch stays unimported (the
+    supervisor's preflight asks before it starts anything); with one, torch is asked."""
+    import subprocess
+    import sys
+
+    code = ("import sys, realscale.parallel.device as d; d._GPU_DEVICE_NODES = (sys.argv[1],); "
+            "print(d.cuda_usable(), 'torch' in sys.modules)")
+    absent = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nvidiactl")], capture_output=True, text=True,
+                            timeout=120)
+    assert absent.stdout.split() == ["False", "False"], absent.stderr[-2000:]
+    (tmp_path / "nvidiactl").touch()
+    present = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nvidiactl")], capture_output=True,
+                             text=True, timeout=120)
+    import torch
+
+    assert present.stdout.split() == [str(torch.cuda.is_available() and torch.cuda.device_count() > 0), "True"]

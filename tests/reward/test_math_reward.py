@@ -73,7 +73,7 @@ def test_killed_worker_gives_crash_and_is_replaced(quick: MathReward) -> None:
     t = threading.Thread(target=lambda: result.extend(reward.score_batch([(r"\boxed{(10^{6})!}", "1")])))
     t.start()
     time.sleep(0.7)  # the check is now running in the worker (it would take > 1.5 s)
-    for pid in reward._pool.pids():
+    for pid in reward.started_workers():
         os.kill(pid, signal.SIGKILL)
     t.join(timeout=30)
     assert result and result[0].value == 0.0 and result[0].reason in ("crash", "timeout")
@@ -148,3 +148,25 @@ def test_plain_number_checks_settle_in_process_with_the_workers_verdicts(reward:
     assert [(r.value, r.reason, r.detail) for r in here] == [(r.value, r.reason, r.detail) for r in in_workers]
     symbolic = reward.score_batch([("the answer is $\\sqrt{2}/2$", "\\frac{1}{\\sqrt{2}}")])[0]
     assert symbolic.value == 1.0 and symbolic.detail.endswith("math-verify")  # sympy's work stays in a worker
+
+
+def test_the_pool_starts_with_the_first_check_that_needs_a_worker() -> None:
+    """Plain-number checks start no process (the default recipe never needs one); the first
+    symbolic check starts the workers, waits for their start-up without timing out (its
+    timer runs from when a worker begins it) and gets math-verify's verdict."""
+    import psutil
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    r = MathReward(workers=1, timeout=1.5)
+    try:
+        plain = r.score_batch([("so the total is 42", "#### 42"), ("(3+9=12,2+1+1=4)42", "42")] * 20)
+        assert [x.value for x in plain] == [1.0] * 40
+        assert r.started_workers() == [] and {c.pid for c in me.children()} - before == set()
+        symbolic = r.score_batch([("the answer is $\\sqrt{2}/2$", "\\frac{1}{\\sqrt{2}}")])[0]
+        assert symbolic.value == 1.0 and symbolic.detail.endswith("math-verify")
+        assert len(r.started_workers()) == 1 and r.stats()["timeout"] == 0
+    finally:
+        r.close()
+    with pytest.raises(RuntimeError, match="closed"):  # a worker is needed, none is started again
+        r.score_batch([("the answer is $\\sqrt{2}/2$", "\\frac{1}{\\sqrt{2}}")])

@@ -122,86 +122,79 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(small_tmpfs: Path)
 # ----------------------------------------------------------------------------- the writer's set-up
 
 
-def _warm_then_save(root: str) -> dict:
-    """One rank: warm the checkpoint writer up (as the trainer does while its first batch
-    generates), then save twice; which result queue did megatron's saver use?"""
+def _save_twice(root: str) -> dict:
+    """One rank saves twice; which result queue did megatron's saver use, and did any
+    process of the save outlive it?"""
+    import psutil
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from realscale.models.tiny import resolve_model_path
     from realscale.sft import nll_loss
     from realscale.train.batch import PackedBatch
-    from realscale.train.checkpoint import Checkpointer
+    from realscale.train.checkpoint import Checkpointer, InProcessResultsQueue
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     before = filesystem_async._results_queue
     eng = MegatronEngine(EngineConfig(model_path=resolve_model_path("tiny-qwen2"), lr=1e-2))
     ckpts = Checkpointer(root, keep=1)
-    ckpts.warm_up()
-    ckpts._warming.join()
-    warmed = filesystem_async._results_queue
     batch = PackedBatch.from_sequences([torch.arange(1, 40)], {"loss_mask": [torch.ones(39)]})
-    used = []
+    queues, children = [], []
     for step in (1, 2):
         eng.train_step(batch, nll_loss)
         ckpts.save(eng, step, {"step": step})
-        used.append(filesystem_async._results_queue is warmed)
-    return {"before": before is None, "warmed": warmed is not None, "used": used,
+        queues.append(filesystem_async._results_queue)
+        children.append([c.pid for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE])
+    return {"before": before is None, "in_process": [isinstance(q, InProcessResultsQueue) for q in queues],
+            "same": queues[0] is queues[1], "empty": queues[1].empty(), "children": children,
             "latest": latest_checkpoint(root), "left": sorted(os.listdir(os.path.join(root, "checkpoints")))}
 
 
 @pytest.mark.multiproc
-def test_the_writer_warmed_up_before_the_loop_is_the_one_every_save_uses(tmp_path: Path) -> None:
-    """The first save of a process used to start megatron's writer queue (a spawned manager
-    process, megatron-core 0.16.1 ``dist_checkpointing/strategies/filesystem_async.py``
-    51-56, reached from ``FileSystemWriterAsync.prepare_write_data`` 185) and make it
-    import torch (the first results it unpickles, put at 335) inside the loop; the trainer
-    now does both beforehand (``Checkpointer.warm_up``). Fails if megatron renames that
-    function or stops reusing one queue per process, or if the warm-up's ``WriteResult``
-    no longer pickles."""
+def test_saves_collect_the_writers_results_in_the_rank_without_a_manager_process(tmp_path: Path) -> None:
+    """megatron-core 0.16.1's ``torch_dist`` saver makes its result queue on a process's first
+    save in a spawned manager process (``dist_checkpointing/strategies/filesystem_async.py``
+    51-56, reached from ``FileSystemWriterAsync.prepare_write_data`` 185), which imports
+    torch to unpickle the results put at 335 and outlives a SIGKILLed rank. A synchronous save
+    (``strategies/base.py`` 215) puts and takes the results in the rank itself, so ours use
+    an in-process queue: every save through the same one, emptied by megatron's finalize
+    (439), the checkpoint complete, and no process left behind. Fails if megatron renames
+    ``_results_queue`` (the saver would make its manager again) or leaves a result unread."""
     from realscale.parallel.spawn import run_distributed
 
-    got = run_distributed(_warm_then_save, 1, str(tmp_path), timeout=300)[0]
-    assert got["before"] and got["warmed"]  # none until the warm-up made it
-    assert got["used"] == [True, True]  # both saves wrote through the warmed-up queue
+    got = run_distributed(_save_twice, 1, str(tmp_path), timeout=300)[0]
+    assert got["before"]  # megatron had made none before the first save
+    assert got["in_process"] == [True, True] and got["same"] and got["empty"]
+    assert got["children"] == [[], []], got["children"]  # the writer's forked workers are gone, no manager
     assert got["latest"] == str(tmp_path / "checkpoints" / "step000002") and got["left"] == ["step000002"]
 
 
-_KILLED_RANK = """
-import os, signal, sys, threading
-import realscale.train.checkpoint as ck
-t = threading.Thread(target=ck.start_writer_queue)  # as Checkpointer.warm_up: on a thread that ends
-t.start(); t.join()
-import psutil
-print(",".join(str(c.pid) for c in psutil.Process().children()), flush=True)
-sys.stdin.readline()
-os.kill(os.getpid(), signal.SIGKILL)
-"""
+def test_the_in_process_results_queue_refuses_another_process() -> None:
+    """Should a save ever hand the queue to another process (megatron's asynchronous save runs
+    its writer in a forked one), using it there raises, and it cannot be pickled for a
+    spawned one: a lost result would otherwise only show as an incomplete checkpoint."""
+    import multiprocessing as mp
+    import pickle
 
+    from realscale.train.checkpoint import InProcessResultsQueue
 
-def test_the_writers_manager_process_dies_with_a_killed_rank() -> None:
-    """megatron's writer queue lives in a spawned manager process that nothing stops when
-    its rank is SIGKILLed (megatron-core 0.16.1 filesystem_async.py 51-56); the one
-    start_writer_queue makes exits with its rank, though a thread started it (the
-    kernel's parent-death signal would have killed it when that thread ended)."""
-    import sys
-    import time
+    q = InProcessResultsQueue()
+    q.put({0: []})
+    assert q.get_nowait() == {0: []}
+    with pytest.raises(TypeError, match="cannot be sent to another process"):
+        pickle.dumps(q)
+    ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
 
-    import psutil
+    def child() -> None:
+        try:
+            q.put({0: []})
+            errors.put("")
+        except RuntimeError as exc:
+            errors.put(str(exc))
 
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        pids = [int(p) for p in proc.stdout.readline().strip().split(",") if p]
-        assert pids, "start_writer_queue started no manager process"
-        time.sleep(1.5)  # past the creating thread's end and one watch period: still there
-        assert all(psutil.pid_exists(p) for p in pids)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=30) == -9
-        deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            assert time.monotonic() < deadline, f"manager process(es) {pids} outlived the killed rank"
-            time.sleep(0.2)
-    finally:
-        proc.kill()
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert "realscale's saves are synchronous" in errors.get()
+    assert q.empty()

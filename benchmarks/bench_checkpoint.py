@@ -36,7 +36,7 @@ def _rank(model_dir: str, in_process: bool, saves: int) -> dict[str, object]:
     import psutil
     import torch
 
-    import realscale.train.checkpoint as checkpoint
+    import realscale.train.engine as engine
 
     from bench_rl_update import _batch
     from realscale.config import load_config
@@ -50,7 +50,7 @@ def _rank(model_dir: str, in_process: bool, saves: int) -> dict[str, object]:
     eng = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
     update_policy(eng, split_for_dp(_batch(256, 24, 17), cfg.train.mini_batches, 1)[0], cfg)
     if not in_process:  # megatron's own queue: MegatronEngine.save installs none
-        checkpoint.use_in_process_writer_queue = lambda: None
+        engine.use_in_process_writer_queue = lambda: None
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as root:
         ckpts = Checkpointer(root, keep=1)

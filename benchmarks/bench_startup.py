@@ -1,7 +1,10 @@
 """Start-up and in-loop checkpoint cost of ``realscale train`` on the default recipe, this
 checkout against an earlier commit, alternating, in one run.
 
-    python benchmarks/bench_startup.py --baseline 58dcb7a [--reps 3] [--steps 30]
+    python benchmarks/bench_startup.py --baseline 58dcb7a [--reps 3] [--steps 30] [KEY=VALUE ...]
+
+(``KEY=VALUE``: config overrides for both, e.g. ``eval.before=false`` as in
+``bench_vs_peers.py``.)
 
 The baseline is checked out as a git worktree under ``runs/bench_startup/`` (its compiled
 kernels copied from this checkout) and run with that tree first on the import path; both
@@ -41,12 +44,13 @@ def _worktree(commit: str, work: str) -> str:
     return path
 
 
-def _run(tree: str, sft: str, work: str, name: str, steps: int, every: int) -> dict[str, float]:
+def _run(tree: str, sft: str, work: str, name: str, steps: int, every: int,
+         overrides: list[str]) -> dict[str, float]:
     out = os.path.join(work, "runs")
     shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft}", f"run.output_dir={out}",
-           f"run.name={name}", f"run.total_steps={steps}", f"run.checkpoint_every={every}"]
+           f"run.name={name}", f"run.total_steps={steps}", f"run.checkpoint_every={every}", *overrides]
     start = time.time()
     with open(os.path.join(work, f"{name}.log"), "w", encoding="utf-8") as log:
         code = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("overrides", nargs="*", help="config overrides for both (KEY=VALUE)")
     args = ap.parse_args()
     work = os.path.join(REPO, "runs", "bench_startup")
     os.makedirs(work, exist_ok=True)
@@ -79,7 +84,8 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
     for rep in range(args.reps):
         for which, tree in trees.items():
-            runs[which].append(_run(tree, sft, work, f"{which}_{rep}", args.steps, args.checkpoint_every))
+            runs[which].append(_run(tree, sft, work, f"{which}_{rep}", args.steps, args.checkpoint_every,
+                                      args.overrides))
             print(which, rep, {k: round(v, 2) for k, v in runs[which][-1].items()}, flush=True)
     med = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items()}
     for k in med["this"]:

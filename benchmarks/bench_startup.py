@@ -8,8 +8,9 @@ checkout against an earlier commit, alternating, in one run.
 
 The baseline is checked out as a git worktree under ``runs/bench_startup/`` (its compiled
 kernels copied from this checkout) and run with that tree first on the import path; both
-run from the same warm start (``runs/bench_vs_peers/sft`` when it is there, else a
-``realscale sft`` of the recipe made first). Per run, from the metrics: seconds from
+run from the same warm start (``runs/bench_vs_peers/sft`` when it is there, else
+``runs/bench_startup/sft``, a ``realscale sft`` of the recipe made by the first run that
+needed it). Per run, from the metrics: seconds from
 launch to the first and the last optimizer step, and the checkpoints' cost inside the
 loop (the time between two logged steps beyond the later step's own ``perf/step_s``,
 summed over the steps after a checkpoint). Medians over ``--reps``; writes
@@ -77,6 +78,7 @@ def main() -> None:
     sft = os.path.join(REPO, "runs", "bench_vs_peers", "sft")
     if not os.path.isfile(os.path.join(sft, "model.safetensors")):
         sft = os.path.join(work, "sft")
+    if not os.path.isfile(os.path.join(sft, "model.safetensors")):
         run_realscale(["sft", RECIPE, f"sft.output={sft}"], os.path.join(work, "sft.log"), "bench_startup")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                           text=True).stdout.strip()

@@ -63,7 +63,7 @@ from realscale.parallel.reshard_exec import Resharder
 from realscale.publish.weight_world import pack_megatron
 from realscale.serve.decoder import ShardedDecoder, TPComm
 from realscale.serve.ranks import RankWorker, ServerRanks, follow
-from realscale.serve.weights import RankWeights, read_hf_config
+from realscale.serve.weights import RankWeights
 
 if TYPE_CHECKING:
     from realscale.config import Config
@@ -111,7 +111,6 @@ class ColocatedWorker(RankWorker):
                  device: torch.device, max_slots: int, max_len: int) -> None:
         super().__init__(model_dir, tp, tp_rank, comm, dtype=dtype, device=device, max_slots=max_slots,
                          max_len=max_len, load=False)
-        self.hf_dict = read_hf_config(model_dir)
         self.comm, self.dtype, self.max_slots, self.max_len = comm, dtype, max_slots, max_len
         self.resident = True
 

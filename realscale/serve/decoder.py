@@ -25,10 +25,16 @@ replicated on every rank):
   vocabulary rows are cut off before sampling.
 
 The ranks are invisible here: a :class:`TPComm` does the two collectives (no-ops for one
-rank). RMSNorm is written out exactly as the HF families compute it, and RoPE uses the HF
-family's own rotary-embedding class and ``apply_rotary_pos_emb``, so every RoPE variant
-(scaling types, theta) matches HF; with one rank the logits equal the HF model's to
-float rounding (``tests/serve/test_decoder.py`` states the bound).
+rank). RMSNorm is written out exactly as the HF families compute it. RoPE: the default
+kind (no ``rope_scaling``; every family we load computes it alike) is :class:`DefaultRotary`
+and :func:`apply_rotary`, the same arithmetic as the families' own classes (tested equal
+to Qwen2's, Qwen3's and Llama's); any scaled kind uses the HF family's own rotary class and
+``apply_rotary_pos_emb``, so every variant matches HF. Why not HF's always: importing a
+family's config or modeling module in transformers 5 costs ~2.5 s of CPU (its docstring
+decorators import the auto-model tables and the generation utilities), paid by every
+server at start, beside the trainer's and the rollouts' start on the same cores. With one
+rank the logits equal the HF model's to float rounding (``tests/serve/test_decoder.py``
+states the bound).
 
 KV cache memory: on CPU the buffers map anonymous memory (the kernel's zero pages,
 :func:`zero_buffer`), so they are zero-filled at no cost and resident only where requests
@@ -102,6 +108,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+class DefaultRotary(torch.nn.Module):
+    """The default RoPE's ``(cos, sin)`` for positions ``[B, T]``: transformers'
+    ``Qwen2RotaryEmbedding.forward`` (modeling_qwen2.py in transformers 5.19; Llama's and
+    Qwen3's are the same) for ``rope_type: default``, in the same order of operations
+    (fp32 frequencies, ``cat(freqs, freqs)``, cast to the hidden dtype last)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype=x.dtype), emb.sin().to(dtype=x.dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` (rotate-half) with ``unsqueeze_dim=1``:
+    ``q``/``k`` ``[B, heads, T, D]``, ``cos``/``sin`` ``[B, T, D]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_for(weights: RankWeights, hf_config: Callable[[], PretrainedConfig], device: torch.device
+             ) -> tuple[torch.nn.Module, Callable[..., Any]]:
+    """The rotary module and apply function for this model: ours for the default RoPE,
+    else the HF family's (``hf_config()`` is only called then)."""
+    arch = weights.arch
+    if arch.rope_scaling is None:
+        return DefaultRotary(arch.head_dim, arch.rope_theta).to(device), apply_rotary
+    return hf_rope(hf_config(), device)
+
+
 def hf_rope(hf_config: PretrainedConfig, device: torch.device) -> tuple[torch.nn.Module, Callable[..., Any]]:
     """The HF family's rotary-embedding module and ``apply_rotary_pos_emb`` for ``hf_config``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -122,8 +169,9 @@ def hf_rope(hf_config: PretrainedConfig, device: torch.device) -> tuple[torch.nn
 class ShardedDecoder:
     """Prefill and decode of slot-indexed requests on this rank's shard of the model."""
 
-    def __init__(self, weights: RankWeights, hf_config: PretrainedConfig, comm: TPComm, max_slots: int,
+    def __init__(self, weights: RankWeights, hf_config: Callable[[], PretrainedConfig], comm: TPComm, max_slots: int,
                  max_len: int) -> None:
+        """``hf_config``: returns the model's HF config; called only for a scaled RoPE (:func:`rope_for`)."""
         arch, tp = weights.arch, weights.tp
         self.weights, self.comm = weights, comm
         self.vocab = arch.vocab_size
@@ -140,7 +188,7 @@ class ShardedDecoder:
         self.last_routing: torch.Tensor | None = None
         self._bind(weights.tensors(), arch.num_layers, arch.tie_embeddings)
         device, dtype = weights.flat.device, weights.flat.dtype
-        self.rotary, self._rope = hf_rope(hf_config, device)
+        self.rotary, self._rope = rope_for(weights, hf_config, device)
         shape = (max_slots, self.kv_heads, max_len, self.head_dim)
         self.k_cache = [zero_buffer(shape, dtype, device) for _ in self.layers]
         self.v_cache = [zero_buffer(shape, dtype, device) for _ in self.layers]

@@ -83,18 +83,27 @@ class RankWorker:
     def __init__(self, model_dir: str, tp: int, tp_rank: int, comm: TPComm, *, dtype: torch.dtype,
                  device: torch.device, max_slots: int, max_len: int, load: bool = True) -> None:
         """``load=False``: the weights stay zero until something writes ``weights.flat``
-        (a colocated trainer's resharder, :mod:`realscale.serve.colocated`)."""
-        from transformers import AutoConfig
-
+        (a colocated trainer's resharder, :mod:`realscale.serve.colocated`). ``hf_dict``
+        is the model's ``config.json``; transformers' config object (:meth:`hf_config`)
+        is built only where it is needed (a scaled RoPE: ``realscale/serve/decoder.py``)."""
         self.model_dir, self.tp, self.tp_rank, self.device = model_dir, tp, tp_rank, device
-        self.hf_config = AutoConfig.from_pretrained(model_dir)
-        self.weights = RankWeights.allocate(read_hf_config(model_dir), tp, tp_rank, dtype, device)
+        self.hf_dict = read_hf_config(model_dir)
+        self._hf_config: Any = None
+        self.weights = RankWeights.allocate(self.hf_dict, tp, tp_rank, dtype, device)
         if load:
             self.weights.load_dir(model_dir)
         self.decoder = ShardedDecoder(self.weights, self.hf_config, comm, max_slots, max_len)
         self.receiver = WeightReceiver()
         self.loader = self.weights.loader()  # spans the buckets of one distributed update
         self.extras: dict[str, Any] = {}
+
+    def hf_config(self) -> Any:
+        """transformers' ``AutoConfig`` of the model, loaded on first use."""
+        if self._hf_config is None:
+            from transformers import AutoConfig
+
+            self._hf_config = AutoConfig.from_pretrained(self.model_dir)
+        return self._hf_config
 
     def step(self, slot0: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
              moves: list[tuple[int, int, int]]) -> torch.Tensor:

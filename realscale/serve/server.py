@@ -98,8 +98,8 @@ class EmbeddedServer:
         self.ranks = ranks or ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
                                           max_slots=max_running, max_len=self.context_length, threads=threads)
         assert self.ranks.worker is not None
-        self.hf_config = self.ranks.worker.hf_config
-        eos = self.hf_config.eos_token_id
+        self.hf_dict = self.ranks.worker.hf_dict  # config.json (transformers' config object costs seconds)
+        eos = self.hf_dict.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
@@ -541,13 +541,13 @@ class EmbeddedServer:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        cfg = self.hf_config
+        cfg = self.hf_dict
         return web.json_response({
             "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
             "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": cfg.model_type, "architectures": list(cfg.architectures or []),
+            "model_type": cfg.get("model_type"), "architectures": list(cfg.get("architectures") or []),
         })
 
     async def get_server_info(self, request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ def decoder_logits(model: str, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     tp, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     weights = RankWeights.allocate(read_hf_config(path), tp, rank, torch.float32, torch.device("cpu"))
     weights.load_dir(path)
-    dec = ShardedDecoder(weights, AutoConfig.from_pretrained(path), TPComm(dist.group.WORLD if tp > 1 else None),
+    dec = ShardedDecoder(weights, lambda: AutoConfig.from_pretrained(path), TPComm(dist.group.WORLD if tp > 1 else None),
                          max_slots=ids.shape[0] + 1, max_len=ids.shape[1] + 4)
     bsz, total = ids.shape
     # rows live in slots 1..B first, so the move below exercises the cache copy

@@ -58,3 +58,64 @@ def test_refuses_what_it_cannot_serve() -> None:
         model_spec(cfg, 4, torch.float32)
     with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported"):
         model_spec({**cfg, "model_type": "gpt2"}, 1, torch.float32)
+
+
+@pytest.mark.parametrize("family,cls", [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("llama", "Llama")])
+def test_default_rope_is_the_families_own(family: str, cls: str) -> None:
+    """Our default RoPE (what the server runs without importing the family's module,
+    realscale/serve/decoder.py) gives bit-identical cos/sin and rotated q/k to the HF
+    family's ``<Family>RotaryEmbedding`` and ``apply_rotary_pos_emb`` (modeling_qwen2.py,
+    modeling_qwen3.py, modeling_llama.py of transformers 5.19), theta and head dim off their
+    defaults."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from realscale.serve.decoder import DefaultRotary, apply_rotary
+
+    config = AutoConfig.for_model(family, hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                                  rope_theta=12345.0, max_position_embeddings=512)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    theirs = getattr(module, f"{cls}RotaryEmbedding")(config=config)
+    ours = DefaultRotary(32, 12345.0)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 500, (2, 7), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(2, 7, 96, dtype=dtype)
+        (c1, s1), (c2, s2) = ours(x, pos), theirs(x, pos)
+        assert c1.dtype == c2.dtype == dtype and torch.equal(c1, c2) and torch.equal(s1, s2)
+        q, k = torch.randn(2, 3, 7, 32, generator=g).to(dtype), torch.randn(2, 1, 7, 32, generator=g).to(dtype)
+        for a, b in zip(apply_rotary(q, k, c1, s1), module.apply_rotary_pos_emb(q, k, c2, s2)):
+            assert torch.equal(a, b)
+
+
+def test_scaled_rope_uses_the_family_module(tmp_path) -> None:
+    """A model with ``rope_scaling`` (linear, factor 2) is decoded with the HF family's own
+    rotary class (the config object is built only then), and still equals HF's logits."""
+    import json
+    import shutil
+
+    from realscale.serve.decoder import DefaultRotary, rope_for
+    from realscale.serve.weights import RankWeights, read_hf_config
+
+    src = resolve_model_path("tiny-qwen2")
+    path = str(tmp_path / "scaled")
+    shutil.copytree(src, path)
+    cfg = read_hf_config(path)
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    with open(f"{path}/config.json", "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh)
+    weights = RankWeights.allocate(read_hf_config(path), 1, 0, torch.float32, torch.device("cpu"))
+    asked = []
+    rotary, _ = rope_for(weights, lambda: asked.append(1) or __import__("transformers").AutoConfig.from_pretrained(path),
+                         torch.device("cpu"))
+    assert asked and not isinstance(rotary, DefaultRotary)
+    plain = RankWeights.allocate(read_hf_config(src), 1, 0, torch.float32, torch.device("cpu"))
+    assert isinstance(rope_for(plain, lambda: pytest.fail("config built for the default RoPE"),
+                               torch.device("cpu"))[0], DefaultRotary)
+    ids = _ids()
+    got = cases.decoder_logits(path, ids, prefill=6)
+    ref = _hf_logits(path, ids, 6)
+    assert (got - ref).abs().max().item() < 5e-5 * max(1.0, ref.abs().max().item() / 10)
+    assert (got - cases.decoder_logits(src, ids, prefill=6)).abs().max().item() > 1e-3  # the scaling took effect

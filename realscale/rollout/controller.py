@@ -426,8 +426,18 @@ class RolloutController:
         except Exception as exc:  # noqa: BLE001 - one episode's failure must not stop the run
             self._on_failure(seq, sample, version, exc)
             return
-        group = Group(trajectories, uid=sample.uid, submit_version=version)
-        verdict = self._verdict(group)
+        try:
+            group = Group(trajectories, uid=sample.uid, submit_version=version)
+            verdict = self._verdict(group)
+        except Exception as exc:  # noqa: BLE001 - a defect here: the group would never finish
+            # Not retried like a failed episode (the same group would fail again), and not left
+            # to the batch limit: a group that never finishes holds every batch that is due
+            # with it, so the run would wait minutes for a timeout that names nothing.
+            log.error("rollout controller: the group of %s could not be judged", sample.uid or "?", exc_info=exc)
+            error = RolloutError(f"the group of {sample.uid or '?'} could not be judged: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._set_fatal(error)
+            return
         if group.min_version < version:
             self._set_fatal(RolloutError(
                 f"a server tagged tokens of {sample.uid or '?'} with weight version {group.min_version}, but the "

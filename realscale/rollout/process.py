@@ -326,14 +326,13 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     answer rank 0 until stop or EOF."""
 
     die_with_parent()
-    # Packing needs torch and the trainer's batch code (~1 s of CPU to import); the
-    # controller does not. So the controller is built and started first, and the import
-    # runs on a thread while the servers start (a fresh run) or the state loads.
-    packing = threading.Thread(target=_import_packing, name="import-packing", daemon=True)
+    import torch
+
+    torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
+
     try:
         cfg = config_from_dict(cfg_dict)
         rollouts = LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state, shard)
-        packing.start()
         if go:  # a fresh run: its servers may still be starting (the supervisor overlaps the two)
             wait_until_serving(server_urls, cfg.launch.health_timeout)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -341,19 +340,11 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
         return
     if go:
         rollouts.resume()
-    packing.join()  # before the first batch is packed (and torch's threads are set)
     conn.send(("ok", None))
     try:
         _answer(conn, rollouts)
     finally:
         rollouts.stop()
-
-
-def _import_packing() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
-    import realscale.train.actor  # noqa: F401 - what pack_groups calls
 
 
 def _answer(conn: "Connection", rollouts: LocalRollouts) -> None:

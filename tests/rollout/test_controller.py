@@ -279,3 +279,23 @@ def test_from_config(tokenizer, arith_jsonl) -> None:
     assert (ctl.staleness.batch_size, ctl.staleness.max_staleness) == (3, 0)
     cfg.rollout.workflow = "single_turn"
     assert isinstance(workflow_from_config(cfg, tokenizer), SingleTurnWorkflow)
+
+
+def test_a_group_that_cannot_be_judged_fails_the_batch_at_once(server, tokenizer, arith_jsonl, monkeypatch) -> None:
+    """An error after the episode (here the all-equal filter raising, as a concurrent
+    import once made it) used to end the episode's task silently: its group never
+    finished, and every batch due with it waited for the batch limit (160 s in the run
+    that found it) before a timeout that named nothing. Now get_batch raises at once,
+    naming the group and the error."""
+    url, _ = server
+
+    def broken(*args, **kwargs):
+        raise ImportError("cannot import name 'FilterResult' from partially initialized module")
+
+    monkeypatch.setattr("realscale.algo.filtering.dynamic_sampling_filter", broken)
+    ds = PromptDataset(arith_jsonl, shuffle=False)
+    with _controller(url, tokenizer, ds, 1, filter_all_equal=True) as ctl:
+        t0 = time.monotonic()
+        with pytest.raises(RolloutError, match="could not be judged: ImportError: cannot import name 'FilterResult'"):
+            ctl.get_batch(2, timeout=60)
+        assert time.monotonic() - t0 < 20

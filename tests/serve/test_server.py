@@ -287,7 +287,8 @@ def test_same_prompt_prefilled_once_and_copies_decode_alike() -> None:
 def test_server_start_builds_no_transformers_model_module() -> None:
     """Building a server of a default-RoPE model imports neither the family's configuration
     nor its modeling module, nor transformers' generation utilities (each costs seconds of
-    start-up CPU: realscale/serve/decoder.py); /get_model_info still names the model."""
+    start-up CPU: realscale/serve/decoder.py); it still reads its model type and EOS ids
+    from config.json (``/get_model_info`` itself: ``test_info_health_flush``)."""
     import json
     import subprocess
     import sys

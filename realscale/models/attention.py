@@ -26,11 +26,15 @@ than an explicit fp32 upcast.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from realscale.models.shared_prefix import SharedRows
 
 # A sequence joins the current group while it is at least this fraction of the group's longest.
 GROUP_RATIO = 0.5
@@ -53,34 +57,59 @@ def length_groups(lengths: list[int], ratio: float = GROUP_RATIO) -> list[list[i
 
 
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                            scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                            scale: float, dropout_p: float = 0.0, shared: SharedRows | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence. ``query [t, hq, d]``, ``key``/``value``
     ``[t, hk, d]`` (``hq`` a multiple of ``hk``), ``cu_seqlens [n + 1]`` (int); returns
-    ``[t, hq, d]``. A pure tensor function: the tests compare it with per-sequence
-    attention."""
+    ``[t, hq, d]``. With ``shared`` the ``t`` rows are a shared-prefix layout
+    (:mod:`realscale.models.shared_prefix`; ``cu_seqlens`` is then ``[0, t]``): each
+    sequence attends over the rows of all its tokens and writes back the rows it owns. A
+    pure tensor function: the tests compare it with per-sequence attention."""
     t, hq, d = query.shape
     hk = key.shape[1]
-    starts = cu_seqlens[:-1].tolist()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     if int(cu_seqlens[-1]) != t:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed row has {t} tokens")
+    if shared is None:
+        rows = torch.arange(t, device=query.device)
+        starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        owned_from = [0] * len(lengths)
+    else:
+        if shared.num_rows > t:
+            raise ValueError(f"the shared-prefix layout has {shared.num_rows} rows, the packed row only {t}")
+        if shared.num_rows < t:  # sequence parallelism's padding: one more sequence, after the layout's rows
+            r = shared.num_rows
+            whole = lambda n: torch.tensor([0, n], device=cu_seqlens.device)  # noqa: E731
+            return torch.cat([
+                packed_causal_attention(query[:r], key[:r], value[:r], whole(r), scale, dropout_p, shared),
+                packed_causal_attention(query[r:], key[r:], value[r:], whole(t - r), scale, dropout_p)])
+        rows = shared.token_rows.to(query.device)
+        starts, lengths, owned_from = shared.seq_start.tolist(), shared.seq_len.tolist(), shared.seq_shared.tolist()
     out = query.new_empty(t, hq, value.shape[-1])
     for group in length_groups(lengths):
         longest = lengths[group[0]]
-        # token index of (sequence, offset) in the packed row; padded slots point at the
-        # sequence's own first token and are never read back
+        # row of (sequence, offset); padded slots point at the sequence's last token and are
+        # never read back (they sit after every real key, so the causal mask hides them)
         offsets = torch.arange(longest, device=query.device)
         first = torch.tensor([starts[i] for i in group], device=query.device)
         size = torch.tensor([lengths[i] for i in group], device=query.device)
-        index = first[:, None] + torch.minimum(offsets[None, :], size[:, None] - 1)  # [g, L]
+        index = rows[first[:, None] + torch.minimum(offsets[None, :], size[:, None] - 1)]  # [g, L]
         q = query[index].transpose(1, 2)  # [g, hq, L, d]
         k = key[index].transpose(1, 2)
         v = value[index].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
                                            enable_gqa=hq != hk).transpose(1, 2)  # [g, L, hq, d]
-        valid = offsets[None, :] < size[:, None]
-        out[index[valid]] = o[valid]
+        own = torch.tensor([owned_from[i] for i in group], device=query.device)
+        written = (offsets[None, :] < size[:, None]) & (offsets[None, :] >= own[:, None])
+        out[index[written]] = o[written]
     return out
+
+
+@dataclass
+class SharedPrefixParams(PackedSeqParams):
+    """Megatron's packed-row description with a shared-prefix layout attached: the row is one
+    THD sequence (for RoPE, which the engine feeds per-row positions) whose attention
+    :class:`PackedSDPAttention` runs per sequence of ``shared``."""
+
+    shared: SharedRows | None = None
 
 
 class PackedSDPAttention(DotProductAttention):
@@ -104,5 +133,6 @@ class PackedSDPAttention(DotProductAttention):
         if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
             raise ValueError("PackedSDPAttention needs the same packing for queries and keys")
         p = self.attention_dropout.p if self.training else 0.0
-        out = packed_causal_attention(query, key, value, cu, self.softmax_scale, p)
+        out = packed_causal_attention(query, key, value, cu, self.softmax_scale, p,
+                                      getattr(packed_seq_params, "shared", None))
         return out.reshape(out.shape[0], -1)  # [t, hq * d]: the attention module restores [t, 1, h]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from realscale.algo.advantages import grpo_advantages, loo_advantages, masked_moments, normalize_by_moments
+from realscale.data.packing import balanced_partition
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
 from realscale.parallel.device import group_backend, to_comm
 from realscale.train.batch import PackedBatch
@@ -117,8 +118,6 @@ def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
     """``batch`` split into ``dp`` shares balanced by token count (one partition for all)."""
     if dp == 1:
         return [batch]
-    from realscale.data.packing import balanced_partition
-
     assign = balanced_partition(batch.seqlens().numpy(), dp).tolist()
     shares = []
     for rank in range(dp):

@@ -70,7 +70,7 @@ class CriticEngine(MegatronEngine):
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         gpt = model.module if hasattr(model, "module") else model
         n = mb.num_tokens
-        values = gpt.value_head(hidden[:n, 0]).squeeze(-1).float()  # row j: the state after token j
+        values = gpt.value_head(self._token_states(hidden[:, 0], mb)).squeeze(-1).float()  # j: the state after token j
         keep = torch.ones(n, dtype=values.dtype, device=values.device)
         keep[mb.cu_seqlens[:-1].to(values.device)] = 0.0  # a first token has no state before it
         return torch.roll(values, 1) * keep

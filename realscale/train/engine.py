@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from realscale.data.packing import pack_micro_batches
 from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
 from realscale.models.family import load_arch
+from realscale.models.shared_prefix import SharedRows, share_prefixes
 from realscale.models.megatron_gpt import build_gpt, check_attention_path, te_available, te_status, transformer_config
 from realscale.parallel.device import comm_device, comm_empty, cuda_usable, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
@@ -96,6 +98,7 @@ class EngineConfig:
     moe_aux_loss_coef: float | None = None  # None: the model's own router_aux_loss_coef
     # rollout routing replay: batches carrying "routed_experts" are routed as the servers did
     routing_replay: bool = False
+    share_prefixes: bool = True  # realscale.models.shared_prefix; see MegatronEngine.share_prefixes
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, train: bool = True) -> "EngineConfig":
@@ -111,7 +114,8 @@ class EngineConfig:
                    distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg),
                    ep=cfg.parallel.ep,
                    moe_aux_loss_coef=None if cfg.train.moe_aux_loss_coef < 0 else cfg.train.moe_aux_loss_coef,
-                   routing_replay=cfg.algo.routing_replay and train)  # the policy's, not a frozen reference's
+                   routing_replay=cfg.algo.routing_replay and train,
+                   share_prefixes=cfg.train.share_prefixes)  # the policy's, not a frozen reference's
 
 
 def resolve_recompute(cfg: Config) -> str:
@@ -128,8 +132,6 @@ def resolve_recompute(cfg: Config) -> str:
 
 def micro_batch_plan(batch: PackedBatch, max_tokens: int) -> list[list[int]]:
     """Which sequences of ``batch`` each balanced micro-batch under ``max_tokens`` holds."""
-    from realscale.data.packing import pack_micro_batches
-
     return [idx for idx in pack_micro_batches(batch.seqlens().tolist(), max_tokens, dp=1, multiple_of=1)[0] if idx]
 
 
@@ -211,10 +213,24 @@ class MegatronEngine:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.step_count = 0
+        self.share_prefixes = self._can_share_prefixes()
+        self._layouts: dict[int, SharedRows | None] = {}
         if ec.lr is not None:
             self._build_optimizer()
 
     # ------------------------------------------------------------------ setup
+
+    def _can_share_prefixes(self) -> bool:
+        """``train.share_prefixes``, where it applies (the knob's help says where not)."""
+        if not self.ec.share_prefixes:
+            return False
+        why = ("Transformer Engine's attention takes plain packed sequences" if self.use_te
+               else "pp > 1: middle pipeline stages do not receive the tokens" if self.ec.pp > 1
+               else "a mixture of experts: its load-balancing loss counts every sequence's tokens"
+               if self.arch.moe is not None else None)
+        if why is not None:
+            log.info("train.share_prefixes: rows packed unshared (%s)", why)
+        return why is None
 
     def _build_optimizer(self) -> None:
         from megatron.core.distributed import (
@@ -251,29 +267,50 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ forward pieces
 
-    def _row(self, mb: PackedBatch) -> dict[str, torch.Tensor]:
-        """One packed row for the model: tokens, positions, mask (or THD params)."""
-        ids = mb.input_ids
+    def _layout(self, mb: PackedBatch) -> SharedRows | None:
+        """The micro-batch's shared-prefix layout (built once per micro-batch and schedule),
+        or None: sharing off, or nothing to share."""
+        if not self.share_prefixes:
+            return None
+        if id(mb) not in self._layouts:
+            shared = share_prefixes(mb.input_ids, mb.cu_seqlens)
+            self._layouts[id(mb)] = shared if shared.num_rows < mb.num_tokens else None
+        return self._layouts[id(mb)]
+
+    def _row(self, mb: PackedBatch, shared: SharedRows | None = None) -> dict[str, torch.Tensor]:
+        """One packed row for the model: tokens, positions, ``cu_seqlens`` (THD). With a
+        shared-prefix layout the row holds its rows, each at its position in its sequence,
+        as one THD sequence (attention reads the layout)."""
+        ids = mb.input_ids if shared is None else shared.row_ids
         pad = 0
         if self.ec.sequence_parallel and ids.numel() % self.ec.tp:
             pad = self.ec.tp - ids.numel() % self.ec.tp  # SP splits the row evenly over TP
-        if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])  # the pad tokens: one more sequence of their own
-        row = {"tokens": ids[None], "positions": torch.arange(ids.numel())[None], "n": torch.tensor(mb.num_tokens),
-               "cu_seqlens": torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad]) if pad else mb.cu_seqlens}
+        positions = torch.arange(ids.numel()) if shared is None else shared.positions
+        if pad:  # the pad tokens: one more sequence of their own
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            positions = torch.cat([positions, torch.arange(pad)])
+        cu = mb.cu_seqlens if shared is None else torch.tensor([0, shared.num_rows])
+        row = {"tokens": ids[None], "positions": positions[None], "n": torch.tensor(mb.num_tokens),
+               "cu_seqlens": torch.cat([cu, cu[-1:] + pad]) if pad else cu}
         if self.device.type != "cpu":
             row = {k: v.to(self.device) for k, v in row.items()}
         return row
 
-    def _stage_forward(self, model: Any, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _stage_forward(self, model: Any, row: dict[str, torch.Tensor], shared: SharedRows | None = None
+                       ) -> torch.Tensor:
         """GPTModel.forward up to the final norm: the next stage's input, or on the last
         stage the final hidden states (log-probs are then computed in chunks from them,
         so the [T, V] logits never exist at once)."""
         gpt = model.module if hasattr(model, "module") else model
-        packed = self._packed_params(row["cu_seqlens"])
+        packed = self._packed_params(row["cu_seqlens"], shared)
         pre = gpt._preprocess(input_ids=row["tokens"], position_ids=row["positions"], decoder_input=None,
                               inference_context=None, packed_seq_params=packed)
         decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
+        if shared is not None and rotary_pos_emb is not None:
+            # [rows, 1, 1, d] for positions 0..rows-1 (max_seqlen is the row's length) -> each
+            # row's own sequence position; megatron applies a row-long table per row
+            # (rope_utils.py:224-245, "CASE 1", megatron-core 0.16.1)
+            rotary_pos_emb = rotary_pos_emb[row["positions"][0]]
         return gpt.decoder(hidden_states=decoder_input, attention_mask=None,
                            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                            rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed,
@@ -313,11 +350,18 @@ class MegatronEngine:
             replay.set_target_indices(routed[:, glob * k:(glob + 1) * k].to(self.device))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def _packed_params(self, cu_seqlens: torch.Tensor) -> Any:
+    def _packed_params(self, cu_seqlens: torch.Tensor, shared: SharedRows | None = None) -> Any:
         """Megatron's THD description of a packed row (``PackedSeqParams``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        from realscale.models.attention import SharedPrefixParams
+
         cu = cu_seqlens.to(torch.int32)
+        if shared is not None:
+            whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
+            return SharedPrefixParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
+                                      cu_seqlens_kv_padded=whole, max_seqlen_q=int(cu[-1]),
+                                      max_seqlen_kv=int(cu[-1]), shared=shared)
         if self.use_te:
             longest = int((cu[1:] - cu[:-1]).max())
             return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -348,8 +392,14 @@ class MegatronEngine:
         else:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
         n = mb.num_tokens
-        hidden = hidden[:n, 0]  # [T, H]: drop SP padding and the batch dim
-        targets, _ = next_token_targets(mb.input_ids.to(hidden.device), mb.cu_seqlens.to(hidden.device))
+        shared = self._layout(mb)
+        hidden = hidden[:, 0]  # [rows, H]: drop the batch dim
+        if shared is None:
+            hidden = hidden[:n]  # drop SP padding
+            targets, _ = next_token_targets(mb.input_ids.to(hidden.device), mb.cu_seqlens.to(hidden.device))
+        else:  # each distinct (row, next token) pair once
+            hidden = hidden[shared.pair_row.to(hidden.device)]
+            targets = shared.pair_target.to(hidden.device)
         weight = self._output_weight(model)
         vocab_per_rank = weight.shape[0]
         lp, ent = logprobs_from_hidden(
@@ -360,10 +410,25 @@ class MegatronEngine:
         starts = mb.cu_seqlens[:-1].to(lp.device)
         keep = torch.ones(n, dtype=lp.dtype, device=lp.device)
         keep[starts] = 0.0  # first tokens have no prediction (the roll brings each sequence's last row there)
-        lp = torch.roll(lp, 1) * keep
-        if ent is not None:
-            ent = torch.roll(ent, 1) * keep
-        return lp, ent
+        if shared is None:
+            align = lambda x: torch.roll(x, 1) * keep  # noqa: E731
+        else:
+            pair = shared.token_pair.to(lp.device)
+            align = lambda x: x[pair] * keep  # noqa: E731
+        return align(lp), (align(ent) if ent is not None else None)
+
+    def _rows_run(self, mb: PackedBatch) -> int:
+        """Positions the model ran for the micro-batch (fewer than its tokens when shared)."""
+        shared = self._layouts.get(id(mb))
+        return shared.num_rows if shared is not None else mb.num_tokens
+
+    def _token_states(self, hidden: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        """``[T, H]`` final hidden states of the micro-batch's tokens (row j: the state after
+        token j) from the stage's ``[rows, H]`` output."""
+        shared = self._layout(mb)
+        if shared is None:
+            return hidden[:mb.num_tokens]
+        return hidden[shared.token_rows.to(hidden.device)]
 
     def _trained_outputs(self, model: Any, hidden: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
         """The per-token tensor :meth:`train_step` hands its loss function: the policy's
@@ -403,9 +468,11 @@ class MegatronEngine:
             mb = next(data_iterator)
             if engine.ec.routing_replay:
                 engine._replay_routing(model, mb)
-            hidden = engine._stage_forward(model, engine._row(mb))
+            shared = engine._layout(mb)
+            hidden = engine._stage_forward(model, engine._row(mb, shared), shared)
             return hidden, lambda out: loss_of(model, out, mb)
 
+        self._layouts.clear()  # keyed by the micro-batches' ids: valid for one schedule
         max_len = max(mb.num_tokens for mb in mbs)
         if self.ec.sequence_parallel:
             max_len = math.ceil(max_len / self.ec.tp) * self.ec.tp
@@ -460,7 +527,7 @@ class MegatronEngine:
         def loss_of(model: Any, hidden: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
             if self.ec.sequence_parallel:
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
-            logits = hidden[: mb.num_tokens, 0].float() @ self._output_weight(model).float().t()
+            logits = self._token_states(hidden[:, 0], mb).float() @ self._output_weight(model).float().t()
             if self.ec.tp > 1:
                 backend = group_backend(self.ranks.tp_group)
                 shards = [comm_empty(logits.shape, logits.dtype, backend) for _ in range(self.ec.tp)]
@@ -542,6 +609,7 @@ class MegatronEngine:
             if self.ranks.is_last_stage:
                 kept = self._unpermute(batch, plan, [r.pop(_KEPT) for r in results])
             keep["outputs"] = self._from_last_stage(kept)
+        rows = sum(self._rows_run(mb) for mb in mbs[:len(plan)])
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -549,7 +617,8 @@ class MegatronEngine:
         stats = self._reduce_stats(results)
         stats.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                      lr=float(self.optimizer.param_groups[0]["lr"]), tokens=float(tokens),
-                     micro_batches=float(len(plan)), time=time.perf_counter() - start, update_ok=float(bool(ok)))
+                     micro_batches=float(len(plan)), time=time.perf_counter() - start, update_ok=float(bool(ok)),
+                     row_fraction=rows / max(1, batch.num_tokens))
         return stats
 
     def _reduce_stats(self, results: list[dict[str, Any]]) -> dict[str, float]:

@@ -49,21 +49,38 @@ def roundtrip(model_dir: str, tp: int, pp: int, out_dir: str) -> dict[str, Any]:
 
 
 def engine(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, budget: int = 24, lr: float | None = 1e-3,
-           dist_opt: bool = True) -> Any:
+           dist_opt: bool = True, share: bool = True) -> Any:
     from realscale.train.engine import EngineConfig, MegatronEngine
 
     return MegatronEngine(EngineConfig(model_path=model_dir, tp=tp, pp=pp, sequence_parallel=sp, lr=lr,
                                        max_tokens_per_micro_batch=budget, clip_grad=1.0, temperature=0.8,
-                                       logprob_chunk_tokens=5, distributed_optimizer=dist_opt, total_steps=10))
+                                       logprob_chunk_tokens=5, distributed_optimizer=dist_opt, total_steps=10,
+                                       share_prefixes=share))
 
 
-def rl_batch(vocab: int, n: int = 6, seed: int = 1) -> Any:
-    """A packed batch with the fields a PPO loss needs (prompt tokens masked out)."""
+def grouped_sequences(vocab: int, gen: torch.Generator, prompts: int = 2, samples: int = 4) -> list[torch.Tensor]:
+    """GRPO-like sequences: each prompt with several answers; the answers draw from 3 tokens,
+    so some also share their start, and the last repeats an earlier one exactly."""
+    seqs = []
+    for _ in range(prompts):
+        prompt = torch.randint(0, vocab, (int(torch.randint(6, 11, (), generator=gen)),), generator=gen)
+        for _ in range(samples):
+            answer = torch.randint(0, 3, (int(torch.randint(2, 8, (), generator=gen)),), generator=gen)
+            seqs.append(torch.cat([prompt, answer]))
+    return seqs + [seqs[1].clone()]
+
+
+def rl_batch(vocab: int, n: int = 6, seed: int = 1, grouped: bool = False) -> Any:
+    """A packed batch with the fields a PPO loss needs (prompt tokens masked out).
+    ``grouped``: :func:`grouped_sequences` (prefixes to share) instead of ``n`` random ones."""
     from realscale.train.batch import PackedBatch
 
     gen = torch.Generator().manual_seed(seed)
     lengths = [5 + int(x) for x in torch.randint(0, 14, (n,), generator=gen)]
     seqs = [torch.randint(0, vocab, (m,), generator=gen) for m in lengths]
+    if grouped:
+        seqs = grouped_sequences(vocab, gen)
+        lengths = [len(x) for x in seqs]
     mask = [torch.cat([torch.zeros(2), torch.ones(m - 2)]) for m in lengths]
     behav = [-3.0 + 0.5 * torch.randn(m, generator=gen) for m in lengths]
     adv = [torch.full((m,), float(torch.randn((), generator=gen))) for m in lengths]
@@ -96,10 +113,10 @@ def with_behaviour(eng: Any, batch: Any, seed: int = 2) -> Any:
 
 
 def train_steps(model_dir: str, tp: int, pp: int, sp: bool, steps: int, budget: int = 24,
-                dist_opt: bool = True) -> dict[str, Any]:
+                dist_opt: bool = True, grouped: bool = False, share: bool = True) -> dict[str, Any]:
     """Log-probs, then ``steps`` PPO steps; stats per step and final log-probs."""
-    eng = engine(model_dir, tp, pp, sp, budget, dist_opt=dist_opt)
-    batch, lp0 = with_behaviour(eng, rl_batch(eng.arch.vocab_size))
+    eng = engine(model_dir, tp, pp, sp, budget, dist_opt=dist_opt, share=share)
+    batch, lp0 = with_behaviour(eng, rl_batch(eng.arch.vocab_size, grouped=grouped))
     stats = [eng.train_step(dp_share(batch), ppo_loss_fn) for _ in range(steps)]
     lp1 = eng.logprobs(batch)["logprobs"]
     return {"lp0": lp0, "lp1": lp1, "stats": stats}
@@ -124,10 +141,10 @@ def checkpoint_then_continue(model_dir: str, tp: int, pp: int, ckpt: str, mode: 
             "extra": extra, "step_count": eng.step_count}
 
 
-def logprob_check(model_dir: str, tp: int, pp: int) -> dict[str, Any]:
+def logprob_check(model_dir: str, tp: int, pp: int, grouped: bool = False) -> dict[str, Any]:
     """Engine log-probs (temperature 0.8, chunked) vs HF log_softmax(logits / 0.8)."""
     eng = engine(model_dir, tp, pp, lr=None)
-    batch = rl_batch(eng.arch.vocab_size)
+    batch = rl_batch(eng.arch.vocab_size, grouped=grouped)
     out = eng.logprobs(batch, with_entropy=True)
     seqs = [batch.sequence(i) for i in range(batch.num_seqs)]
     ref_lp, ref_ent = [], []

@@ -158,6 +158,7 @@ class TrainConfig:
 
     max_tokens_per_micro_batch: int = knob(4096, "Token budget of one packed micro-batch. Attention stays within each packed sequence on both layer specs (THD; models/attention.py on the local spec), so a longer row costs no more per token: the budget trades activation memory for fewer, larger kernels.")
     mini_batches: int = knob(1, "PPO mini-batches per RL step (optimizer steps per batch).")
+    whole_groups: bool = knob(True, "Each PPO mini-batch takes whole groups (consecutive sequences of the batch; verl splits by prompts alike), so a group's shared prompt is run once per mini-batch (train.share_prefixes); false: every mini_batches-th sequence, a group's samples spread over the mini-batches.")
     logprob_chunk_tokens: int = knob(1024, "Tokens per chunk when computing log-probs (bounds logits memory).")
     share_prefixes: bool = knob(True, "Run a prefix that several sequences of a micro-batch share (a group's prompt) once, not once per sequence (models/shared_prefix.py; exact). Applies to dense models on the local layer spec with pp=1; with Transformer Engine (its fused attention takes plain packed sequences), pp>1 (middle stages do not receive the tokens), routing replay or a mixture of experts the rows are packed unshared, and the engine logs why.")
     recompute: str = knob("auto", "Activation recomputation (Megatron): none, selective (core attention), full (every layer's activations recomputed in backward from its saved input, one layer at a time) or auto (what parallel.plan's actor_train says, else none).")

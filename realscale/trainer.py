@@ -206,7 +206,8 @@ class Trainer:
         rollouts, generation = self._collect()
         if self.is_driver:
             record_trained(self.out_dir, self.step + 1, rollouts.uids)
-            split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp)
+            split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp,
+                                 self.cfg.train.whole_groups)
             stats = {**rollouts.stats, **generation}
         shares, moved = self.scatter.scatter(split, republish=self._republish)
         stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)

@@ -74,6 +74,8 @@ CONSUMERS: dict[str, str] = {
     "train.max_tokens_per_micro_batch": "realscale.train.engine:EngineConfig.from_config",
     "train.mini_batches": "realscale.trainer:Trainer._next_batch",
     "train.logprob_chunk_tokens": "realscale.train.engine:EngineConfig.from_config",
+    "train.share_prefixes": "realscale.train.engine:EngineConfig.from_config",
+    "train.whole_groups": "realscale.trainer:Trainer._next_batch",
     "train.recompute": "realscale.train.engine:resolve_recompute",
     "train.moe_aux_loss_coef": "realscale.train.engine:EngineConfig.from_config",
     # algo

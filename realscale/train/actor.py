@@ -128,10 +128,12 @@ def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:
     return shares
 
 
-def split_for_dp(batch: PackedBatch, num_mini_batches: int, dp: int) -> list[list[PackedBatch]]:
+def split_for_dp(batch: PackedBatch, num_mini_batches: int, dp: int,
+                 whole_groups: bool = False) -> list[list[PackedBatch]]:
     """The driver's split of a step's batch: ``out[d][m]`` is DP rank ``d``'s share of
-    mini-batch ``m`` (what :class:`realscale.train.batch_scatter.BatchScatter` delivers)."""
-    parts = mini_batches(batch, num_mini_batches)
+    mini-batch ``m`` (what :class:`realscale.train.batch_scatter.BatchScatter` delivers);
+    ``whole_groups``: ``train.whole_groups`` (:func:`mini_batches`)."""
+    parts = mini_batches(batch, num_mini_batches, whole_groups)
     if any(p.num_seqs < dp for p in parts):
         raise ValueError(f"a mini-batch has fewer sequences than dp={dp}: raise rollout.batch_size or lower "
                          f"train.mini_batches ({num_mini_batches})")
@@ -209,12 +211,19 @@ def normalizer_fn(algo: "AlgoConfig") -> "NormalizerFn":
     return lambda mb: loss_normalizer(mb.fields["loss_mask"], mb.cu_seqlens, algo.loss_agg)
 
 
-def mini_batches(batch: PackedBatch, n: int) -> list[PackedBatch]:
-    """Split a batch's sequences into ``n`` mini-batches (one optimizer step each)."""
+def mini_batches(batch: PackedBatch, n: int, whole_groups: bool = False) -> list[PackedBatch]:
+    """Split a batch's sequences into ``n`` mini-batches (one optimizer step each): every
+    ``n``-th sequence, or with ``whole_groups`` consecutive runs of sequences (a batch holds
+    its groups' samples one after another, :func:`groups_to_batch`; so each mini-batch holds
+    whole groups where the group size divides its share, as verl splits by prompts)."""
     if n <= 1:
         return [batch]
     idx = list(range(batch.num_seqs))
-    return [batch.select(idx[i::n]) for i in range(n) if idx[i::n]]
+    if whole_groups:
+        parts = [idx[i * len(idx) // n:(i + 1) * len(idx) // n] for i in range(n)]
+    else:
+        parts = [idx[i::n] for i in range(n)]
+    return [batch.select(p) for p in parts if p]
 
 
 def normalize_over_batch(shares: list[PackedBatch], dp_group: object | None) -> None:

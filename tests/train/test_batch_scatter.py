@@ -61,3 +61,20 @@ def test_split_for_dp_refuses_a_mini_batch_smaller_than_dp() -> None:
     with pytest.raises(ValueError, match="fewer sequences than dp=4"):
         split_for_dp(synthetic_batch(6), 2, 4)
     assert StageNeeds((), (), ()).keys(0, 1) == ("cu_seqlens",)
+
+
+def test_whole_group_mini_batches_keep_a_groups_samples_together() -> None:
+    """``train.whole_groups``: 4 groups of 4 samples in 2 mini-batches: each mini-batch
+    holds two whole groups; without it, every other sequence (half of every group)."""
+    import torch
+
+    from realscale.train.actor import mini_batches
+    from realscale.train.batch import PackedBatch
+
+    seqs = [torch.tensor([g, g, g, s]) for g in range(4) for s in range(4)]
+    batch = PackedBatch.from_sequences(seqs)
+    groups_of = lambda part: [sorted({int(part.sequence(i)[0]) for i in range(part.num_seqs)})]  # noqa: E731
+    whole = mini_batches(batch, 2, whole_groups=True)
+    assert [groups_of(p) for p in whole] == [[[0, 1]], [[2, 3]]]
+    assert [groups_of(p) for p in mini_batches(batch, 2)] == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
+    assert sum(p.num_seqs for p in mini_batches(PackedBatch.from_sequences(seqs[:7]), 3, whole_groups=True)) == 7

@@ -3,6 +3,8 @@
     bash benchmarks/peers/setup_trl.sh                  # TRL in a venv of its own (never the project's)
     bash benchmarks/peers/setup_areal.sh                # AReaL likewise (optional)
     python benchmarks/bench_vs_peers.py [--seeds 0 1 2] [--rounds 30] [--reuse-sft] [--peers trl areal]
+    python benchmarks/bench_vs_peers.py ... --variant unshared train.share_prefixes=false train.whole_groups=false
+                                                        # also realscale with overrides, as realscale_unshared
 
 One warm start (``realscale sft`` of ``configs/tiny_cpu.yaml``), then for each seed, one
 after the other (never side by side: two cores): ``realscale train`` of the recipe from
@@ -131,13 +133,14 @@ def _curve(snapshots: list[tuple[int, float, str]], final: tuple[int, float, dic
     return points + [{"round": final[0], "time_s": final[1], **final[2]}]
 
 
-def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int, every: int) -> dict[str, Any]:
-    name = f"realscale_seed{seed}"
+def run_realscale_seed(work: str, sft_dir: str, seed: int, rounds: int, every: int, system: str = "realscale",
+                       overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    name = f"{system}_seed{seed}"
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "realscale", "train", RECIPE, f"model.path={sft_dir}", f"run.seed={seed}",
            f"run.total_steps={rounds}", f"run.output_dir={work}", f"run.name={name}", f"run.export_every={every}",
-           "eval.before=false"]
+           "eval.before=false", *overrides]
     start, peak = _timed(cmd, os.path.join(work, f"{name}.log"), checkout_env())
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
     steps = [m for m in metrics if "train/loss" in m]
@@ -194,7 +197,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], target: float, path: str) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (system, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
+    for (system, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         for i, run in enumerate(seeds):
             ax.plot([p["time_s"] for p in run["curve"]], [100 * p["sampled"] for p in run["curve"]], "o-",
                     color=color, alpha=0.8, label=system if i == 0 else None)
@@ -233,6 +236,9 @@ def main() -> None:
                     help="peers beside realscale (default: trl, and areal when its venv exists)")
     ap.add_argument("--snapshot-every", type=int, default=5, help="evaluate the policy every k rounds (0: only the end)")
     ap.add_argument("--target", type=float, default=0.8, help="held-out sampled accuracy for the time-to-target")
+    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                    help="also run realscale with these overrides, as system realscale_NAME (repeatable), e.g. "
+                         "--variant unshared train.share_prefixes=false train.whole_groups=false")
     args = ap.parse_args()
     if args.peers is None:
         args.peers = ["trl"] + (["areal"] if os.path.exists(args.areal_python) else [])
@@ -257,9 +263,14 @@ def main() -> None:
             fh.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
 
     start_acc = _heldout(sft_dir, 0)
-    runs: dict[str, list[dict[str, Any]]] = {"realscale": [], **{p: [] for p in PEERS if p in args.peers}}
+    variants = {f"realscale_{v[0]}": tuple(v[1:]) for v in args.variant}
+    runs: dict[str, list[dict[str, Any]]] = {"realscale": [], **{v: [] for v in variants},
+                                             **{p: [] for p in PEERS if p in args.peers}}
     for seed in args.seeds:
         runs["realscale"].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds, args.snapshot_every))
+        for system, overrides in variants.items():
+            runs[system].append(run_realscale_seed(args.work, sft_dir, seed, args.rounds, args.snapshot_every,
+                                                   system, overrides))
         for peer, python in (("trl", args.trl_python), ("areal", args.areal_python)):
             if peer in runs:
                 runs[peer].append(run_peer_seed(peer, args.work, sft_dir, train_jsonl, seed, args.rounds, python,
@@ -270,7 +281,7 @@ def main() -> None:
     summary = {k: _summary(v) for k, v in runs.items()}
     ratios = {p: summary[p]["to_last_step_s"]["median"] / summary["realscale"]["to_last_step_s"]["median"]
               for p in runs if p != "realscale"}
-    labels = {"realscale": "realscale", "trl": "TRL", "areal": "AReaL"}
+    labels = {"realscale": "realscale", "trl": "TRL", "areal": "AReaL", **{v: v for v in variants}}
     print(f"warm start: greedy {100 * start_acc['greedy']:.1f}%, sampled {100 * start_acc['sampled']:.1f}%")
     for k in summary["realscale"]:
         cells = [f"{summary[s][k]['median']:.3g} ({summary[s][k]['min']:.3g}-{summary[s][k]['max']:.3g})"

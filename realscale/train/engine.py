@@ -13,6 +13,14 @@ sequence only. With TE, RoPE positions restart at each sequence (megatron's THD 
 on the local spec they run over the whole row (``_packed_params`` says why), which gives
 the same scores. The TE path was not run in this repository's CI (no GPU there).
 
+Shared prefixes (``train.share_prefixes``, :mod:`realscale.models.shared_prefix`): on the
+local spec with pp = 1 and a dense model, a micro-batch whose sequences share prefixes (a
+group's prompt, answers' common starts) runs as a row of its distinct positions: each
+row's RoPE table entry is its position in its sequence (``_stage_forward``), attention
+reads the layout from the packed parameters (:class:`~realscale.models.attention.
+SharedPrefixParams`), and log-probs are computed once per distinct (row, next token)
+pair and gathered back per token, so the loss functions see the usual per-token tensors.
+
 Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
 data-parallel rank first; the loss function divides by that global total, so the sum
 of micro-batch losses is exactly the batch's token-mean (or seq-mean) loss whatever the

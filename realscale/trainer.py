@@ -59,7 +59,7 @@ from realscale.publish.control import ServerControl, ServerEndpoint
 from realscale.publish.outage import NONE, POLL_S, REPUBLISH, OutageWatch
 from realscale.publish.publisher import Publisher, WeightPublisher, transport_for
 from realscale.rollout.controller import client_factory
-from realscale.rollout.process import generates_from_start, start_rollouts, take_prestarted
+from realscale.rollout.process import start_rollouts
 from realscale.rollout.sharded import start_sharded
 from realscale.serve.colocated import ColocatedGeneration
 from realscale.train.actor import split_for_dp, stage_needs, update_policy
@@ -90,12 +90,8 @@ class Trainer:
         self.controller: Rollouts | None = None
         # A fresh run's servers already hold its weights (version 0): the driver starts the
         # rollouts generating first, and its engine is built while the first batch generates.
-        self.prestarted = False  # the rollout process came from the rank's entry (perf/rollouts_prestarted)
-        if self.is_driver and generates_from_start(cfg, out_dir):
-            self.controller = take_prestarted(out_dir, server_urls)  # started by the local rank entry, before torch
-            self.prestarted = self.controller is not None
-            if self.controller is None:
-                self.controller = self._start_rollouts(model_dir, server_urls, None, go=True)
+        if self.is_driver and cfg.parallel.mode != "colocated" and self.checkpoints.latest() is None:
+            self.controller = self._start_rollouts(model_dir, server_urls, None, go=True)
         self.engine = MegatronEngine(EngineConfig.from_config(cfg, model_dir))
         self.critic: CriticEngine | None = None
         if cfg.algo.adv_estimator == "gae":  # PPO with a value model, beside the actor
@@ -213,8 +209,6 @@ class Trainer:
             split = split_for_dp(rollouts.batch, self.cfg.train.mini_batches, self.engine.ranks.dp,
                                  self.cfg.train.whole_groups)
             stats = {**rollouts.stats, **generation}
-            if self.step == 0 and not self.resumed_from:
-                stats["perf/rollouts_prestarted"] = float(self.prestarted)
         shares, moved = self.scatter.scatter(split, republish=self._republish)
         stats["perf/batch_bytes_lower_bound"] = float(moved.lower_bound)
         return shares, stats, moved

@@ -54,9 +54,6 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
              "zombie" not in open(f"/proc/{p}/status").read().lower()]
     assert not alive, f"processes outlived the killed run: {alive}"
     killed_at = _latest_step(run)
-    # a fresh local run: trainer rank 0's entry started the rollout process before its imports
-    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][0]
-    assert first["step"] == 1 and first["perf/rollouts_prestarted"] == 1.0, first
 
     again = _train(tmp_path)
     out, _ = again.communicate(timeout=600)

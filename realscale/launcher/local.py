@@ -24,7 +24,6 @@ from realscale.inference.health import answers_health
 from realscale.inference.sglang_launcher import check_sglang_version, sglang_command, sglang_env
 from realscale.inference.vllm_server import check_model, require_vllm, vllm_command, vllm_env
 from realscale.launcher.restart import ServerKeeper
-from realscale.launcher.spec import TRAINER_ENTRY, EntryRef
 from realscale.parallel.device import cuda_usable, devices_of_server
 from realscale.parallel.net import free_port
 from realscale.parallel.spawn import die_with_parent
@@ -229,11 +228,6 @@ def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[...
     die_with_parent()
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    if rank == 0 and isinstance(fn, EntryRef) and fn.name == TRAINER_ENTRY:
-        # the RL loop's driver: its rollout process starts before this rank's imports
-        from realscale.rollout.process import prestart_rollouts
-
-        prestart_rollouts(*args)
     import torch
 
     torch.set_num_threads(threads)

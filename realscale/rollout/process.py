@@ -48,7 +48,6 @@ from realscale.parallel.spawn import die_with_parent
 from realscale.rollout.controller import RolloutError
 from realscale.rollout.factory import build_controller
 from realscale.rollout.rewards import reward_pool_stats
-from realscale.train.checkpoint import latest_checkpoint
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -297,35 +296,6 @@ class ControllerProcess:
 
 
 Rollouts = LocalRollouts | ControllerProcess  # what the trainer's driver holds
-
-# rank 0's rollout process, started before the rank imported torch (prestart_rollouts)
-_PRESTARTED: dict[tuple[str, tuple[str, ...]], ControllerProcess] = {}
-
-
-def generates_from_start(cfg: "Config", out_dir: str) -> bool:
-    """Whether the driver of this run starts its rollouts generating before it builds its
-    engine: a fresh run (no checkpoint: its servers already hold version 0) whose
-    generation servers are not the trainer ranks themselves (colocated mode)."""
-    return cfg.parallel.mode != "colocated" and latest_checkpoint(out_dir) is None
-
-
-def prestart_rollouts(cfg_dict: dict[str, Any], model_dir: str, server_urls: list[str], out_dir: str) -> bool:
-    """Start trainer rank 0's rollout process now, generating, for its Trainer to take
-    (:func:`take_prestarted`): called by the local backend's rank entry before the rank
-    imports torch and the trainer (~1.3 s of the first step on the 2-core default recipe,
-    BENCHMARKS.md), so the process's own imports and tokenizer overlap them. Only where the
-    Trainer would start one process generating at once (:func:`generates_from_start`, one
-    rollout process); False, and nothing started, otherwise."""
-    cfg = config_from_dict(cfg_dict)
-    if not (cfg.rollout.controller_process and cfg.rollout.processes == 1 and generates_from_start(cfg, out_dir)):
-        return False
-    _PRESTARTED[(out_dir, tuple(server_urls))] = ControllerProcess(cfg, model_dir, server_urls, out_dir, go=True)
-    return True
-
-
-def take_prestarted(out_dir: str, server_urls: list[str]) -> ControllerProcess | None:
-    """The rollout process :func:`prestart_rollouts` started for this run and servers, once."""
-    return _PRESTARTED.pop((out_dir, tuple(server_urls)), None)
 
 
 def start_rollouts(cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,

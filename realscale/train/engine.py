@@ -45,8 +45,8 @@ import torch.distributed as dist
 from realscale.data.packing import pack_micro_batches
 from realscale.models.convert import ExportGroups, export_hf_weights, load_hf_weights, save_hf
 from realscale.models.family import load_arch
-from realscale.models.shared_prefix import SharedRows, share_prefixes
 from realscale.models.megatron_gpt import build_gpt, check_attention_path, te_available, te_status, transformer_config
+from realscale.models.shared_prefix import SharedRows, share_prefixes
 from realscale.parallel.device import comm_device, comm_empty, cuda_usable, group_backend, local_device, to_comm
 from realscale.parallel.megatron_state import Layout, init_megatron, rank_info
 from realscale.parallel.model_spec import spec_from_hf_config
@@ -122,8 +122,8 @@ class EngineConfig:
                    distributed_optimizer=o.distributed_optimizer, recompute=resolve_recompute(cfg),
                    ep=cfg.parallel.ep,
                    moe_aux_loss_coef=None if cfg.train.moe_aux_loss_coef < 0 else cfg.train.moe_aux_loss_coef,
-                   routing_replay=cfg.algo.routing_replay and train,
-                   share_prefixes=cfg.train.share_prefixes)  # the policy's, not a frozen reference's
+                   routing_replay=cfg.algo.routing_replay and train,  # the policy's, not a frozen reference's
+                   share_prefixes=cfg.train.share_prefixes)
 
 
 def resolve_recompute(cfg: Config) -> str:
@@ -317,7 +317,7 @@ class MegatronEngine:
         if shared is not None and rotary_pos_emb is not None:
             # [rows, 1, 1, d] for positions 0..rows-1 (max_seqlen is the row's length) -> each
             # row's own sequence position; megatron applies a row-long table per row
-            # (rope_utils.py:224-245, "CASE 1", megatron-core 0.16.1)
+            # (rope_utils.py:211-231, "CASE 1", megatron-core 0.16.1)
             rotary_pos_emb = rotary_pos_emb[row["positions"][0]]
         return gpt.decoder(hidden_states=decoder_input, attention_mask=None,
                            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,

@@ -24,10 +24,10 @@ lays a micro-batch out as a *row* of distinct positions:
   each, however many samples hold them) and gathered back per token.
 
 This is exact, not an approximation: the tests compare log-probs and gradients with the
-unshared packing. It needs every layer to be per-position apart from attention (true of
-the dense and mixture-of-experts transformers here, whose dropout is 0; an expert router
-sees each position once instead of once per sample, which changes only the auxiliary
-load-balancing loss's token counts).
+unshared packing. It needs every layer to be per-position apart from attention, with no
+dropout (true of the dense transformers here). A mixture of experts is not laid out this
+way (``MegatronEngine`` packs it unshared): its routers would see each shared position
+once instead of once per sample, which changes the load-balancing loss's token counts.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class SharedRows:
       first ``shared`` of them are rows another sequence owns;
     - ``pair_row [P]``, ``pair_target [P]``, ``token_pair [T]``: the distinct (row, next
       token) pairs and which one predicts each token (a sequence's first token is
-      predicted by nothing: its entry points at pair 0 and must be masked).
+      predicted by nothing: its entry points at some pair and must be masked).
     """
 
     row_ids: torch.Tensor

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from realscale.algo.advantages import grpo_advantages, loo_advantages, masked_moments, normalize_by_moments
-from realscale.data.packing import balanced_partition
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
+from realscale.data.packing import balanced_partition
 from realscale.parallel.device import group_backend, to_comm
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import StageNeeds

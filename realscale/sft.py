@@ -258,6 +258,7 @@ def _train_rank(cfg: Config, base_dir: str, out_dir: str) -> dict[str, Any]:
     engine.save_hf(out_dir)
     if dist.get_rank() == 0:
         _copy_chat_template(base_dir, out_dir)
+        load_tokenizer(out_dir)  # records its snapshot: the run's servers and rollouts load it without transformers
     return {"losses": losses, "seconds": seconds, "refused": refused, "examples": count}
 
 

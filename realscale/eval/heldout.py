@@ -29,7 +29,7 @@ from realscale.data.dataset import PromptSample
 from realscale.eval.benchmark import run_benchmark, settings_from_config
 from realscale.inference.client import GenerateResult
 from realscale.models.tiny import resolve_model_path
-from realscale.models.tokenizer import load_tokenizer
+from realscale.models.tokenizer import load_light_tokenizer
 from realscale.rollout.workflows import CalculatorEnv, MultiTurnWorkflow
 from realscale.tasks.arith import Problem, is_correct, prompt_ids, task_from_config
 
@@ -141,7 +141,7 @@ def evaluate(model_dir: str, problems: list[Problem], *, samples: int = 1, tempe
         raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
     start = time.perf_counter()
     model_dir = resolve_model_path(model_dir)
-    tok = load_tokenizer(tokenizer_dir or model_dir)
+    tok = load_light_tokenizer(tokenizer_dir or model_dir)
     tool_use = None
     if max_turns:
         groups = run_tool_episodes(model_dir, tok, problems, samples=samples, temperature=temperature,

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from realscale.data.dataset import from_config as dataset_from_config
-from realscale.models.tokenizer import load_tokenizer
+from realscale.models.tokenizer import load_light_tokenizer
 from realscale.rollout.controller import RolloutController
 from realscale.rollout.workflows import workflow_from_config
 from realscale.tasks.arith import resolve_task_source, task_from_config
@@ -38,7 +38,7 @@ def build_controller(cfg: "Config", model_dir: str, server_urls: list[str], out_
     ``rank`` of ``world``: one rollout shard's, realscale/rollout/sharded.py), the workflow
     ``cfg.rollout.workflow`` names, generation on ``server_urls``."""
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir)
+    tokenizer = load_light_tokenizer(cfg.model.tokenizer or model_dir)
     dataset = dataset_from_config(resolved_data_config(cfg, out_dir), seed=cfg.run.seed, rank=rank, world=world,
                                   prompt_len=lambda t: len(tokenizer.encode(t)))
     workflow = workflow_from_config(cfg, tokenizer)

@@ -58,7 +58,7 @@ from realscale.inference.dialect import encode_routed_experts
 from realscale.inference.sglang_reference import PINNED
 from realscale.inference.weight_sync import FLATTENED
 from realscale.models.tiny import resolve_model_path
-from realscale.models.tokenizer import load_tokenizer
+from realscale.models.tokenizer import load_light_tokenizer
 from realscale.serve import protocol as P
 from realscale.serve import weight_world_routes
 from realscale.serve.engine import Engine, Request, running_abort
@@ -93,7 +93,7 @@ class EmbeddedServer:
         already run (a colocated trainer's, :meth:`ServerRanks.of_running`; its KV cache
         must hold ``context_length_for(model_path, context_length)`` tokens)."""
         self.model_path = resolve_model_path(model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = load_light_tokenizer(self.model_path)
         self.context_length = context_length_for(self.model_path, context_length)
         self.ranks = ranks or ServerRanks(self.model_path, tp, dtype=getattr(torch, dtype), device=device,
                                           max_slots=max_running, max_len=self.context_length, threads=threads)

@@ -287,8 +287,10 @@ def test_same_prompt_prefilled_once_and_copies_decode_alike() -> None:
 def test_server_start_builds_no_transformers_model_module() -> None:
     """Building a server of a default-RoPE model imports neither the family's configuration
     nor its modeling module, nor transformers' generation utilities (each costs seconds of
-    start-up CPU: realscale/serve/decoder.py); it still reads its model type and EOS ids
-    from config.json (``/get_model_info`` itself: ``test_info_health_flush``)."""
+    start-up CPU: realscale/serve/decoder.py), nor, once an earlier process recorded the
+    tokenizer's snapshot, transformers at all (realscale/models/light_tokenizer.py); it still
+    reads its model type and EOS ids from config.json (``/get_model_info`` itself:
+    ``test_info_health_flush``)."""
     import json
     import subprocess
     import sys
@@ -297,12 +299,12 @@ def test_server_start_builds_no_transformers_model_module() -> None:
     from realscale.models.tokenizer import load_tokenizer
 
     path = resolve_model_path("tiny-qwen2")
-    load_tokenizer(path)  # the first load goes through AutoTokenizer and records its class (as a run's first process)
+    load_tokenizer(path)  # the first load goes through transformers and records its snapshot (as a run's first process)
     code = ("import json, sys\n"
             "from realscale.serve.server import EmbeddedServer\n"
             f"s = EmbeddedServer({path!r}, max_running=2, context_length=64)\n"
             "heavy = ('transformers.models.qwen2.configuration_qwen2', 'transformers.models.qwen2.modeling_qwen2',\n"
-            "         'transformers.generation.utils', 'transformers.models.auto.modeling_auto')\n"
+            "         'transformers.generation.utils', 'transformers.models.auto.modeling_auto', 'transformers')\n"
             "print(json.dumps([[m for m in heavy if m in sys.modules], s.hf_dict['model_type'], sorted(s.engine.eos_token_ids)]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     imported, model_type, eos = json.loads(out.stdout.strip().splitlines()[-1])

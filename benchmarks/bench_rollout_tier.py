@@ -8,8 +8,8 @@ The shipped 7B/32B plans generate on 36 SGLang servers of 256 decode slots. Here
 scripted decode, no model) runs in a process of its own, and the rollout side in another,
 as :class:`realscale.rollout.process.ControllerProcess` runs it: the real
 ``RolloutController`` and ``InferenceClient``, the single-turn workflow (chat template,
-decode, math reward in ``reward.workers`` processes), ``get_batch`` + ``pack_groups``, the
-packed batch sent over a pipe as its raw tensor bytes. This process plays trainer rank 0:
+decode, math reward in ``reward.workers`` processes), ``get_batch`` + ``pack_groups_raw``, the
+batch's numpy arrays sent over a pipe as raw bytes (this process makes the tensors). This process plays trainer rank 0:
 take a batch, train (``--train-s`` of sleep), pause the rollouts and the servers (abort),
 load the next weight version, set it, resume (``ServerControl``'s order).
 
@@ -261,24 +261,20 @@ class _Counted:
 
 
 def _send(conn: Any, rb: Any, header: dict[str, Any]) -> None:
-    """The batch's tensors as raw bytes behind a small header, as ControllerProcess sends it."""
-    import torch
+    """The batch's arrays as raw bytes behind a small header, as ControllerProcess sends it."""
+    from realscale.rollout.process import _send_batch
 
-    parts = {k: v.contiguous() for k, v in rb.batch.to_payload().items()}
-    conn.send(("batch", {**header, "stats": rb.stats, "uids": rb.uids,
-                         "spec": [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in parts.items()]}))
-    for tensor in parts.values():
-        conn.send_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+    _send_batch(conn, rb, header)
 
 
 def _next_batch(conn: Any, rollouts: Any, n: int, version: int, timeout: float) -> None:
-    """get_batch + pack_groups (what LocalRollouts.next_batch runs), then the hand-over."""
-    from realscale.rollout.process import pack_groups
+    """get_batch + pack_groups_raw (what ControllerProcess's child runs), then the hand-over."""
+    from realscale.rollout.process import pack_groups_raw
 
     t0 = time.perf_counter()
     groups = rollouts.controller.get_batch(n, timeout=timeout)
     t1 = time.perf_counter()
-    rb = pack_groups(groups, rollouts.cfg.algo, version)
+    rb = pack_groups_raw(groups, rollouts.cfg.algo, version)
     rb.stats.update({"bench/wait_s_max": t1 - t0, "bench/pack_s_max": time.perf_counter() - t1})
     _send(conn, rb, {"synthetic": False})
 
@@ -306,21 +302,18 @@ def synthetic_groups(n: int, n_samples: int, lengths: str, seed: int = 0) -> lis
 
 
 def _hand_synthetic(conn: Any, rollouts: Any, n: int, lengths: str) -> None:
-    """pack_groups + the hand-over of ``n`` synthetic groups."""
-    from realscale.rollout.process import pack_groups
+    """pack_groups_raw + the hand-over of ``n`` synthetic groups."""
+    from realscale.rollout.process import pack_groups_raw
 
     groups = synthetic_groups(n, rollouts.cfg.rollout.n_samples, lengths)
     t0 = time.perf_counter()
-    rb = pack_groups(groups, rollouts.cfg.algo, 0)
+    rb = pack_groups_raw(groups, rollouts.cfg.algo, 0)
     rb.stats.update({"bench/wait_s_max": 0.0, "bench/pack_s_max": time.perf_counter() - t0})
     _send(conn, rb, {"synthetic": True})
 
 
 def rollout_worker(conn: Any, spec: dict[str, Any], counts: Any) -> None:
     """The rollout process: build, then answer the driver until ``stop``."""
-    import torch
-
-    torch.set_num_threads(1)
     rollouts = _build(spec, counts)
     conn.send(("ok", os.getpid()))
     ops = {"pause": rollouts.pause, "resume": rollouts.resume, "set_version": rollouts.set_version,
@@ -346,6 +339,9 @@ class Worker:
     """The driver's handle on the rollout process."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
+        from realscale.config import load_config
+
+        self.algo = load_config(None, spec["overrides"]).algo  # the driver makes the batch's tensors
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         # answers' tokens, answers, interruptions (workflow side); reply tokens, replies (client side)
@@ -364,17 +360,9 @@ class Worker:
         return payload
 
     def _batch(self, header: dict[str, Any]) -> Any:
-        import torch
+        from realscale.rollout.process import _recv_batch
 
-        from realscale.rollout.process import RolloutBatch
-        from realscale.train.batch import PackedBatch
-
-        payload = {}
-        for key, dtype, shape in header["spec"]:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            self.conn.recv_bytes_into(tensor.reshape(-1).view(torch.uint8).numpy())
-            payload[key] = tensor
-        return RolloutBatch(PackedBatch.from_payload(payload), header["stats"], header["uids"])
+        return _recv_batch(self.conn, header).packed(self.algo)
 
     def call(self, op: str, *args: Any) -> Any:
         self.conn.send((op, args))
@@ -579,8 +567,9 @@ def ingest_phase(s: Settings, fleet: FleetProcess, rollouts: Any, control: Contr
 
 
 def hand_phase(s: Settings, workers: list[Worker], lengths: str) -> dict[str, Any]:
-    """pack_groups + the pipe for a batch of ``s.hand_groups`` synthetic groups of these
-    lengths (each shard its share, at once), while the rollout processes go on ingesting."""
+    """pack_groups_raw + the pipe (and the driver's tensors) for a batch of ``s.hand_groups``
+    synthetic groups of these lengths (each shard its share, at once), while the rollout
+    processes go on ingesting."""
     from realscale.rollout.sharded import join_batches, split_evenly
 
     shares = split_evenly(s.hand_groups, len(workers))

@@ -9,9 +9,10 @@ rank 0 calls it over a pipe by name (:data:`OPERATIONS`):
 - ``next_batch(n, version, timeout, poll_s, waited_s)`` -> :class:`RolloutBatch`: the
   child takes the ``n`` groups (waiting at most the recipe's batch limit,
   :func:`wait_for_groups`; with ``poll_s``, None after that many seconds: rank 0 waits in
-  slices and looks at the servers between them) and packs them (:func:`pack_groups`);
-  the packed tensors cross the pipe as raw bytes behind a small pickled header (token
-  lists are never pickled);
+  slices and looks at the servers between them) and packs them into flat numpy arrays
+  (:func:`pack_groups_raw`: no torch); the arrays cross the pipe as raw bytes behind a
+  small pickled header (token lists are never pickled), and rank 0 turns them into the
+  trainer's ``PackedBatch``, computing the advantages (:meth:`RawRolloutBatch.packed`);
 - ``pause()`` / ``resume()`` (no new prompts, and the request clocks of the controller's
   client held, while the servers are paused for a weight update), ``set_version(v)``,
   ``retire(urls)``, ``admit(urls)`` (restarted servers, once a weight update reached them),
@@ -24,6 +25,12 @@ what the process saves, and for debugging). Server control does not go through t
 controller: :class:`realscale.publish.control.ServerControl` keeps its own client in
 rank 0 for pauses and weight updates, and tells the controller which servers a weight
 update retired (``retire``) so that generation stops using them.
+
+What runs where: the child never imports torch (1.1 CPU-seconds that were on the critical
+path of a run's start-up; ``tests/rollout/test_process.py`` checks it): its packing is
+numpy (:mod:`realscale.data.raw_batch`), and everything that needs torch (the tensors,
+the advantages, for GAE the token rewards: :func:`realscale.train.actor.raw_to_batch`)
+runs in rank 0 on the received arrays, which the tensors share without a copy.
 
 Failures: an exception in the child is raised again in rank 0 with its type and message
 (``RolloutError``, ``TimeoutError``, a config error at start-up; its traceback goes to
@@ -42,7 +49,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from realscale.config import config_from_dict
+from realscale.data.raw_batch import RawBatch, pack_raw
 from realscale.inference.health import wait_until_serving
 from realscale.parallel.spawn import die_with_parent
 from realscale.rollout.controller import RolloutError
@@ -75,15 +85,35 @@ class RolloutBatch:
     uids: list[str] = field(default_factory=list)
 
 
-def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> RolloutBatch:
-    """Groups -> packed batch with advantages, plus rollout and staleness statistics."""
-    from realscale.train.actor import groups_to_batch
+@dataclass
+class RawRolloutBatch:
+    """One step's rollouts as the rollout process packs them, torch-free: flat numpy
+    arrays (:class:`~realscale.data.raw_batch.RawBatch`), statistics, uids."""
 
-    batch, stats = groups_to_batch(groups, algo)
+    raw: RawBatch
+    stats: dict[str, float] = field(default_factory=dict)
+    uids: list[str] = field(default_factory=list)
+
+    def packed(self, algo: "AlgoConfig") -> RolloutBatch:
+        """The trainer's batch (tensors on the arrays' memory, advantages from ``algo``)."""
+        from realscale.train.actor import raw_to_batch
+
+        return RolloutBatch(raw_to_batch(self.raw, algo), self.stats, self.uids)
+
+
+def pack_groups_raw(groups: list["Group"], algo: "AlgoConfig", version: int) -> RawRolloutBatch:
+    """Groups -> flat arrays (no advantages yet), plus rollout and staleness statistics."""
+    raw, stats = pack_raw(groups, algo)
     lags = [version - g.min_version for g in groups]
     stats.update({"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags)),
-                  "perf/trained_tokens": float(batch.fields["loss_mask"].sum())})
-    return RolloutBatch(batch, stats, [g.uid for g in groups])
+                  "perf/trained_tokens": float(raw.loss_mask.sum(dtype="float64"))})
+    return RawRolloutBatch(raw, stats, [g.uid for g in groups])
+
+
+def pack_groups(groups: list["Group"], algo: "AlgoConfig", version: int) -> RolloutBatch:
+    """Groups -> packed batch with advantages, plus rollout and staleness statistics
+    (:func:`pack_groups_raw`, then rank 0's conversion, in this process)."""
+    return pack_groups_raw(groups, algo, version).packed(algo)
 
 
 def wait_for_groups(controller: "RolloutController", cfg: "Config", num_groups: int, poll_s: float | None = None,
@@ -146,13 +176,19 @@ class LocalRollouts:
         (the trainer's). ``timeout``: seconds, or None for the recipe's batch limit.
         ``poll_s`` (with the batch limit): None once that many seconds passed without a
         batch; ``waited_s`` of the limit were used by earlier calls (:func:`wait_for_groups`)."""
+        raw = self.next_raw_batch(num_groups, version, timeout, poll_s, waited_s)
+        return None if raw is None else raw.packed(self.cfg.algo)
+
+    def next_raw_batch(self, num_groups: int, version: int, timeout: float | None = None,
+                       poll_s: float | None = None, waited_s: float = 0.0) -> RawRolloutBatch | None:
+        """:meth:`next_batch` before the conversion to tensors (what the child answers with)."""
         if timeout is None:
             groups = wait_for_groups(self.controller, self.cfg, num_groups, poll_s, waited_s)
             if groups is None:
                 return None
         else:
             groups = self.controller.get_batch(num_groups, timeout=timeout)
-        return pack_groups(groups, self.cfg.algo, version)
+        return pack_groups_raw(groups, self.cfg.algo, version)
 
     def rotation(self) -> list[list[str]]:
         """Per rollout shard (here: one), the servers in rotation."""
@@ -202,6 +238,7 @@ class ControllerProcess:
     def __init__(self, cfg: "Config", model_dir: str, server_urls: list[str], out_dir: str,
                  state: dict[str, Any] | None = None, shard: tuple[int, int] = (0, 1), *, go: bool = False) -> None:
         ctx = mp.get_context("spawn")
+        self._algo = cfg.algo  # the received arrays become the batch here (advantages and all)
         self._conn, child = ctx.Pipe()
         # Not daemonic: reward scoring may start processes of its own.
         self._proc = ctx.Process(target=_serve,
@@ -243,7 +280,7 @@ class ControllerProcess:
         if kind == "error":
             raise payload
         if kind == "batch":
-            return _recv_batch(self._conn, payload)
+            return _recv_batch(self._conn, payload).packed(self._algo)
         return payload
 
     def next_batch(self, num_groups: int, version: int, timeout: float | None = None, poll_s: float | None = None,
@@ -325,11 +362,7 @@ def _serve(conn: "Connection", cfg_dict: dict[str, Any], model_dir: str, server_
     """The child: build and start the controller (generating at once with ``go``), then
     answer rank 0 until stop or EOF."""
 
-    die_with_parent()
-    import torch
-
-    torch.set_num_threads(1)  # packing is light; the trainer ranks own the cores
-
+    die_with_parent()  # no torch here: packing is numpy (module docstring)
     try:
         cfg = config_from_dict(cfg_dict)
         rollouts = LocalRollouts.build(cfg, model_dir, server_urls, out_dir, state, shard)
@@ -360,11 +393,12 @@ def _answer(conn: "Connection", rollouts: LocalRollouts) -> None:
         try:
             if op not in OPERATIONS:
                 raise ValueError(f"rollout controller process: unknown operation {op!r}")
-            result = getattr(rollouts, op)(*args)
+            # a batch leaves as arrays; rank 0 makes the tensors (and the advantages)
+            result = (rollouts.next_raw_batch if op == "next_batch" else getattr(rollouts, op))(*args)
         except Exception as exc:  # noqa: BLE001 - raised again in rank 0
             _send_error(conn, exc)
             continue
-        if isinstance(result, RolloutBatch):
+        if isinstance(result, RawRolloutBatch):
             _send_batch(conn, result)
         else:
             conn.send(("ok", result))
@@ -383,25 +417,28 @@ def _send_error(conn: "Connection", exc: BaseException) -> None:
 # ---------------------------------------------------------------------- batches over the pipe
 
 
-def _send_batch(conn: "Connection", rb: RolloutBatch) -> None:
-    """Header (stats, uids, per tensor: name, dtype, shape), then each tensor's raw bytes."""
-    import torch
-
-    parts = {k: v.contiguous() for k, v in rb.batch.to_payload().items()}
-    spec = [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in parts.items()]
-    conn.send(("batch", {"stats": rb.stats, "uids": rb.uids, "spec": spec}))
-    for tensor in parts.values():
-        conn.send_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+def _send_batch(conn: "Connection", rb: RawRolloutBatch, extra: dict[str, Any] | None = None) -> None:
+    """Header (stats, uids, per array: name, dtype, shape; ``extra``), then each array's raw bytes."""
+    arrays = rb.raw.arrays()
+    spec = [(k, v.dtype.str, v.shape) for k, v in arrays.items()]
+    conn.send(("batch", {**(extra or {}), "stats": rb.stats, "uids": rb.uids, "spec": spec}))
+    for arr in arrays.values():
+        conn.send_bytes(_bytes(arr))
 
 
-def _recv_batch(conn: "Connection", header: dict[str, Any]) -> RolloutBatch:
-    import torch
-
-    from realscale.train.batch import PackedBatch
-
-    payload = {}
+def _recv_batch(conn: "Connection", header: dict[str, Any]) -> RawRolloutBatch:
+    """What :func:`_send_batch` sent, into fresh arrays (which the batch's tensors then share)."""
+    arrays = {}
     for key, dtype, shape in header["spec"]:
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        conn.recv_bytes_into(tensor.reshape(-1).view(torch.uint8).numpy())
-        payload[key] = tensor
-    return RolloutBatch(PackedBatch.from_payload(payload), header["stats"], header["uids"])
+        arr = np.empty(shape, dtype=np.dtype(dtype))
+        got = conn.recv_bytes_into(_bytes(arr))
+        if got != arr.nbytes:
+            raise RolloutError(f"rollout controller process: batch array {key!r} came as {got} bytes, "
+                               f"expected {arr.nbytes}")
+        arrays[key] = arr
+    return RawRolloutBatch(RawBatch(**arrays), header["stats"], header["uids"])
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's memory as one flat run of bytes (no copy)."""
+    return arr.reshape(-1).view("uint8")

@@ -16,8 +16,9 @@ tier": ``benchmarks/bench_rollout_tier.py``). Past that, :class:`ShardedRollouts
   accepted or running, every trained group at most η versions old (each shard waits for
   its own due groups), ``max_concurrent`` prompts running;
 - :meth:`ShardedRollouts.next_batch` asks every shard for its share at once (their
-  packing runs in parallel, in their processes) and joins the packed batches in shard
-  order; ``stats`` sums the counters.
+  packing into arrays runs in parallel, in their processes; each share becomes tensors
+  in this process as it arrives) and joins the packed batches in shard order; ``stats``
+  sums the counters.
 
 How it departs from one controller: admission is per shard, so a shard whose servers are
 slower cannot borrow the others' room, and a batch waits for the slowest shard's share

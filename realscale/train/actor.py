@@ -3,7 +3,10 @@
 - :func:`groups_to_batch`: accepted groups become one packed batch with per-token loss
   mask, behaviour log-probs, advantages (GRPO / leave-one-out, from ``algo``; for GAE the
   token rewards, advantages follow from the critic's values) and the policy version of
-  every token, plus rollout statistics.
+  every token, plus rollout statistics. It is two steps, which run in two processes in a
+  run: the rollout process packs the groups into flat numpy arrays without torch
+  (:func:`realscale.data.raw_batch.pack_raw`), and trainer rank 0 turns what it receives
+  into the packed batch (:func:`raw_to_batch`: the tensors, the advantages).
 - :func:`split_for_dp` (driver): the batch into ``train.mini_batches`` mini-batches, each
   into token-balanced data-parallel shares; :func:`stage_needs`: which parts of a share
   each pipeline stage reads (the batch scatter sends only those).
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from realscale.algo.advantages import grpo_advantages, loo_advantages, masked_moments, normalize_by_moments
 from realscale.algo.losses import loss_kwargs_from_config, loss_normalizer, ppo_loss
 from realscale.data.packing import balanced_partition
+from realscale.data.raw_batch import RawBatch, pack_raw
 from realscale.parallel.device import group_backend, to_comm
 from realscale.train.batch import PackedBatch
 from realscale.train.batch_scatter import StageNeeds
@@ -36,7 +40,7 @@ from realscale.train.critic import gae_advantages, token_rewards, update_critic
 
 if TYPE_CHECKING:
     from realscale.config import AlgoConfig, Config
-    from realscale.data.groups import Group, Trajectory
+    from realscale.data.groups import Group
     from realscale.train.batch_scatter import StageNeeds
     from realscale.train.critic import CriticEngine
     from realscale.train.engine import LossFn, MegatronEngine, NormalizerFn
@@ -58,60 +62,34 @@ def group_advantages(rewards: torch.Tensor, cu_groups: torch.Tensor, algo: "Algo
 
 
 def groups_to_batch(groups: list["Group"], algo: "AlgoConfig") -> tuple[PackedBatch, dict[str, float]]:
-    """Accepted groups -> one packed batch with per-token fields, and rollout stats."""
-    trajs = [t for g in groups for t in g]
-    sizes = torch.tensor([len(g) for g in groups])
-    cu_groups = torch.zeros(len(groups) + 1, dtype=torch.long)
-    cu_groups[1:] = torch.cumsum(sizes, 0)
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    adv = group_advantages(rewards, cu_groups, algo)
-    seqs, mask, behav, advs, versions = [], [], [], [], []
-    for t, a in zip(trajs, adv.tolist()):
-        n_p, n_o = len(t.prompt_ids), len(t.output_ids)
-        seqs.append(torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long))
-        mask.append(torch.tensor([0.0] * n_p + [float(m) for m in t.loss_mask]))
-        behav.append(torch.tensor([0.0] * n_p + list(t.output_logprobs), dtype=torch.float32))
-        advs.append(torch.full((n_p + n_o,), a, dtype=torch.float32))
-        versions.append(torch.tensor([-1] * n_p + list(t.output_versions), dtype=torch.float32))
-    fields = {"loss_mask": mask, "behav_logprobs": behav, "advantages": advs, "versions": versions}
+    """Accepted groups -> one packed batch with per-token fields, and rollout stats: the
+    torch-free packing (:func:`realscale.data.raw_batch.pack_raw`, what the rollout process
+    runs) and :func:`raw_to_batch` (what trainer rank 0 runs on what it receives) in one."""
+    raw, stats = pack_raw(groups, algo)
+    return raw_to_batch(raw, algo), stats
+
+
+def raw_to_batch(raw: RawBatch, algo: "AlgoConfig") -> PackedBatch:
+    """A raw batch as the trainer's packed batch: ``loss_mask``, ``behav_logprobs``,
+    ``versions`` (and ``routed_experts``) as they are (the tensors share the arrays'
+    memory), ``advantages`` from each group's rewards (:func:`group_advantages`), every
+    token of a trajectory, its prompt's too, carrying the trajectory's; for GAE the token
+    rewards as well (the advantages, zeros here, follow from the critic's values)."""
+    cu = torch.from_numpy(raw.cu_seqlens)
+    rewards = torch.from_numpy(raw.rewards)
+    adv = group_advantages(rewards, torch.from_numpy(raw.cu_groups), algo)
+    mask = torch.from_numpy(raw.loss_mask)
+    fields = {"loss_mask": mask, "behav_logprobs": torch.from_numpy(raw.behav_logprobs),
+              "advantages": torch.repeat_interleave(adv, cu[1:] - cu[:-1], output_size=raw.num_tokens),
+              "versions": torch.from_numpy(raw.versions)}
     if algo.routing_replay:
-        fields["routed_experts"] = routing_fields(trajs)
-    batch = PackedBatch.from_sequences(seqs, fields)
+        if raw.routed_experts is None:
+            raise ValueError("routing replay: the batch was packed without routed experts (algo.routing_replay)")
+        fields["routed_experts"] = torch.from_numpy(raw.routed_experts)
+    batch = PackedBatch(torch.from_numpy(raw.input_ids), cu, fields)
     if algo.adv_estimator == "gae":
-        batch.fields["rewards"] = token_rewards(batch.fields["loss_mask"], batch.cu_seqlens, rewards.tolist())
-    out_lens = torch.tensor([float(len(t.output_ids)) for t in trajs])
-    stats = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).float().mean()),
-             "rollout/response_len": float(out_lens.mean()), "rollout/response_len_max": float(out_lens.max()),
-             "rollout/groups": float(len(groups)), "rollout/trajectories": float(len(trajs)),
-             "rollout/interruptions": float(sum(t.num_interruptions for t in trajs)),
-             "rollout/turns": sum(t.num_turns for t in trajs) / len(trajs)}
-    return batch, stats
-
-
-def routing_fields(trajs: list["Trajectory"]) -> list[torch.Tensor]:
-    """Per trajectory, ``[tokens, layers * top_k]`` int32: the experts the generation server
-    routed each position to (routing replay). The server reports every position but the
-    last (the last sampled token is never fed); the last row repeats the one before it (its
-    output predicts nothing that is trained)."""
-    widths = {t.routed_experts.size // (len(t.prompt_ids) + len(t.output_ids) - 1)
-              for t in trajs if t.routed_experts is not None and t.routed_experts.size}
-    if len(widths) != 1:
-        raise ValueError(f"routing replay: the rollouts carry no routed experts, or routings of different widths "
-                         f"({sorted(widths)} experts per position); are the generation servers reporting them?")
-    width = widths.pop()
-    out = []
-    for t in trajs:
-        n = len(t.prompt_ids) + len(t.output_ids)
-        got = t.routed_experts
-        if got is None or not got.size:
-            raise ValueError(f"routing replay: trajectory {t.group_id!r} ({len(t.output_ids)} output tokens) has no "
-                             "routed experts")
-        rows = torch.as_tensor(got, dtype=torch.int32).view(-1, width)
-        if rows.shape[0] != n - 1:
-            raise ValueError(f"routing replay: trajectory {t.group_id!r} has routing for {rows.shape[0]} positions, "
-                             f"expected {n - 1} (prompt + output - 1)")
-        out.append(torch.cat([rows, rows[-1:]]))
-    return out
+        batch.fields["rewards"] = token_rewards(mask, cu, rewards.tolist())
+    return batch
 
 
 def dp_shares(batch: PackedBatch, dp: int) -> list[PackedBatch]:

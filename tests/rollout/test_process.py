@@ -1,7 +1,8 @@
 """The rollout controller in its own process, against a real embedded server: batches
-come back packed, rank 0's server control pauses and updates the servers with its own
-client, errors keep their type, a dead child is an error, and retired servers and paused
-request clocks reach the controller's client."""
+come back packed (the child packs numpy arrays and never imports torch; rank 0 makes the
+tensors, equal to the in-process packing), rank 0's server control pauses and updates the
+servers with its own client, errors keep their type, a dead child is an error, and retired
+servers and paused request clocks reach the controller's client."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from realscale.config import load_config
 from realscale.publish.control import ServerControl, ServerEndpoint
 from realscale.rollout.controller import RolloutError, client_factory
 from realscale.rollout.process import ControllerProcess, LocalRollouts, start_rollouts
+
+
+def _torch_loaded(pid: int) -> list[str]:
+    """torch's shared libraries mapped into process ``pid`` (any ``import torch`` loads
+    them: ``torch/__init__.py`` imports ``torch._C``)."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return sorted({line.split()[-1] for line in fh if "libtorch" in line or "/torch/_C" in line})
 
 
 def _cfg(arith_jsonl: str, *extra: str):
@@ -48,10 +56,52 @@ def test_controller_process_trains_three_versions(server, arith_jsonl, tmp_path)
         assert rollouts.state_dict()["consumed"] == 6
         with pytest.raises(TimeoutError, match="get_batch"):  # the child's error, its type kept
             rollouts.next_batch(50, 3, timeout=0.5)
+        # served three batches without torch: it packs numpy, rank 0 makes the tensors (and its
+        # tokenizer loads without transformers, whose AutoTokenizer would import torch)
+        assert _torch_loaded(rollouts._proc.pid) == []
     finally:
         control.close()
         rollouts.stop()
     assert rollouts._proc.exitcode == 0
+
+
+@pytest.mark.parametrize("algo", [["algo.adv_estimator=grpo"], ["algo.adv_estimator=gae", "algo.routing_replay=true"]])
+def test_a_batch_over_the_pipe_equals_the_one_packed_in_process(algo: list[str]) -> None:
+    """What the child sends (arrays behind a header) is, once rank 0 converts it, the batch
+    that packing in one process gives: every tensor, dtype and statistic."""
+    import multiprocessing as mp
+    import threading
+
+    import numpy as np
+
+    from realscale.data.groups import Group, Trajectory
+    from realscale.rollout.process import _recv_batch, _send_batch, pack_groups, pack_groups_raw
+
+    cfg = load_config(None, algo)
+    groups = []
+    for g in range(3):
+        trajs = []
+        for j in range(4):
+            n_p, n_o = 5 + g, 300 * (j + 1)  # some arrays past a pipe's buffer
+            trajs.append(Trajectory(prompt_ids=list(range(n_p)), output_ids=[g + 7] * n_o,
+                                    output_logprobs=[-0.1 * (j + 1)] * n_o, output_versions=[g] * n_o,
+                                    loss_mask=[1, 0] * (n_o // 2), reward=float((g + j) % 2), group_id=str(g),
+                                    routed_experts=np.arange((n_p + n_o - 1) * 4, dtype=np.int32)))
+        groups.append(Group(trajs, uid=str(g), submit_version=g))
+    here = pack_groups(groups, cfg.algo, version=3)
+    parent, child = mp.get_context("spawn").Pipe()
+    sender = threading.Thread(target=_send_batch, args=(child, pack_groups_raw(groups, cfg.algo, 3)))
+    sender.start()
+    kind, header = parent.recv()
+    got = _recv_batch(parent, header).packed(cfg.algo)
+    sender.join()
+    assert kind == "batch" and got.stats == here.stats and got.uids == here.uids
+    want = here.batch.to_payload()
+    assert list(got.batch.to_payload()) == list(want)
+    assert ("f.routed_experts" in want) == cfg.algo.routing_replay and ("f.rewards" in want) == (
+        cfg.algo.adv_estimator == "gae")
+    for key, value in got.batch.to_payload().items():
+        assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
 
 
 def test_start_up_error_and_dead_child_are_reported(server, arith_jsonl, tmp_path) -> None:

@@ -103,10 +103,14 @@ class _Slot:
 
 
 class WatchdogPool:
-    """Run ``fn(item)`` in ``workers`` processes; kill and replace any that hangs or dies.
+    """Run ``fn(item)`` in up to ``workers`` processes; kill and replace any that hangs or dies.
 
     ``fn`` (and ``init``) must be module-level functions (they are pickled by name).
     ``hard_timeout`` bounds one item's run time; ``max_batch`` bounds items per message.
+    A worker process starts when its driver thread first takes work: a pool whose items
+    come one at a time (a math reward's few symbolic checks) runs one process, not
+    ``workers`` (each imports sympy: ~0.4 CPU-seconds, which a run's start-up paid for
+    nothing, BENCHMARKS.md), and ``workers`` run once that many batches are in hand at once.
     """
 
     def __init__(self, fn: Callable[[Any], Any], workers: int, hard_timeout: float, *,
@@ -125,8 +129,9 @@ class WatchdogPool:
         self._queue: collections.deque[tuple[Any, Future, int]] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._waiting: set[int] = set()  # drivers waiting in _take
         self.restarts = 0  # workers replaced after a hang or a crash
-        self._slots: list[_Slot | None] = [self._new_slot() for _ in range(workers)]
+        self._slots: list[_Slot | None] = [None] * workers  # started on a driver's first batch (_ready_slot)
         self._threads = [threading.Thread(target=self._drive, args=(i,), daemon=True,
                                           name=f"reward-pool-{i}") for i in range(workers)]
         for t in self._threads:
@@ -178,15 +183,27 @@ class WatchdogPool:
     def _new_slot(self) -> _Slot:
         return _Slot(self._ctx, self._fn, self._init, self._init_args)
 
-    def _take(self) -> list[tuple[Any, Future, int]] | None:
-        """Next batch for one driver: a fair share of the queue, at most ``max_batch``."""
+    def _take(self, index: int) -> list[tuple[Any, Future, int]] | None:
+        """Next batch for driver ``index``: a fair share of the queue, at most ``max_batch``;
+        left to a driver with a started worker while one waits for work (:meth:`_defers`)."""
         with self._cond:
-            while not self._queue and not self._closed:
-                self._cond.wait()
+            self._waiting.add(index)
+            try:
+                while not self._closed and (not self._queue or self._defers(index)):
+                    self._cond.wait()
+            finally:
+                self._waiting.discard(index)
             if self._closed:
                 return None
             n = min(self._max_batch, max(1, math.ceil(len(self._queue) / self._workers)))
-            return [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
+            batch = [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
+            if self._queue:
+                self._cond.notify_all()  # the rest: for the other drivers, started or not
+            return batch
+
+    def _defers(self, index: int) -> bool:
+        """Driver ``index`` has no worker yet and another driver with one is waiting for work."""
+        return self._slots[index] is None and any(self._slots[i] is not None for i in self._waiting if i != index)
 
     def _requeue(self, entries: list[tuple[Any, Future, int]]) -> None:
         """Put a lost batch's other items back at the front, or fail them after too many tries."""
@@ -202,7 +219,7 @@ class WatchdogPool:
 
     def _drive(self, index: int) -> None:
         while True:
-            batch = self._take()
+            batch = self._take(index)
             if batch is None:
                 return
             try:

@@ -56,3 +56,21 @@ def test_closed_pool_refuses_work() -> None:
     p.close()
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(("ok", 1))
+
+
+def test_workers_start_as_work_needs_them() -> None:
+    """No process before the first item; items that come one at a time run on one worker;
+    a second starts once two batches are in hand at once (a hung item holds the first)."""
+    p = WatchdogPool(square_or_misbehave, workers=2, hard_timeout=3.0, max_batch=8)
+    try:
+        assert p.pids() == []
+        for i in range(6):
+            assert p.submit(("ok", i)).result(timeout=60) == i * i
+        assert len(p.pids()) == 1
+        held = p.submit(("hang", 2))
+        time.sleep(0.5)  # the started worker is now busy with it
+        assert p.submit(("ok", 9)).result(timeout=60) == 81
+        assert len(p.pids()) == 2
+        held.result(timeout=30)
+    finally:
+        p.close()

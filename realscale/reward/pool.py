@@ -107,10 +107,12 @@ class WatchdogPool:
 
     ``fn`` (and ``init``) must be module-level functions (they are pickled by name).
     ``hard_timeout`` bounds one item's run time; ``max_batch`` bounds items per message.
-    A worker process starts when its driver thread first takes work: a pool whose items
-    come one at a time (a math reward's few symbolic checks) runs one process, not
-    ``workers`` (each imports sympy: ~0.4 CPU-seconds, which a run's start-up paid for
-    nothing, BENCHMARKS.md), and ``workers`` run once that many batches are in hand at once.
+    A worker process starts when its driver thread first takes work, and a driver without
+    one takes work only while every started worker is busy (none starting, none idle): a
+    pool whose items come one at a time (a math reward's few symbolic checks) runs one
+    process, not ``workers`` (each imports sympy: ~0.4 CPU-seconds, which a run's start-up
+    paid for nothing, BENCHMARKS.md); under load all ``workers`` start, the second once the
+    first is up.
     """
 
     def __init__(self, fn: Callable[[Any], Any], workers: int, hard_timeout: float, *,
@@ -202,8 +204,14 @@ class WatchdogPool:
             return batch
 
     def _defers(self, index: int) -> bool:
-        """Driver ``index`` has no worker yet and another driver with one is waiting for work."""
-        return self._slots[index] is None and any(self._slots[i] is not None for i in self._waiting if i != index)
+        """Driver ``index`` has no worker yet, and another's worker is still starting or
+        waiting for work (so a second process starts only while the first one is busy)."""
+        if self._slots[index] is not None:
+            return False
+        for i, slot in enumerate(self._slots):
+            if i != index and slot is not None and (not slot.ready or i in self._waiting):
+                return True
+        return False
 
     def _requeue(self, entries: list[tuple[Any, Future, int]]) -> None:
         """Put a lost batch's other items back at the front, or fail them after too many tries."""
@@ -236,7 +244,10 @@ class WatchdogPool:
                 slot.kill()
                 self.restarts += 1
             slot = self._slots[index] = self._new_slot()
-        slot.wait_ready(self._start_timeout)
+        if not slot.ready:
+            slot.wait_ready(self._start_timeout)
+            with self._cond:
+                self._cond.notify_all()  # drivers deferring to this start may take the rest now
         return slot
 
     def _run_batch(self, index: int, batch: list[tuple[Any, Future, int]]) -> None:

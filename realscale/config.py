@@ -428,6 +428,7 @@ class EvalConfig:
     max_new_tokens: int = knob(0, "Most tokens per answer; 0: generate.max_new_tokens.")
     max_problems: int = knob(0, "Score only the first this many problems (0: all).")
     before: bool = knob(True, "realscale train: score the starting model before RL (false: only after, as verl's trainer.val_before_train=False; for a benchmark that scores the starting model itself).")
+    after: bool = knob(True, "realscale train: score the final model (<run>/final) after RL (false: not, for a benchmark that scores the exports itself; the export is written either way).")
 
     def __post_init__(self) -> None:
         _positive("eval", "samples", self.samples)

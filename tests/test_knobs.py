@@ -179,6 +179,7 @@ CONSUMERS: dict[str, str] = {
     "eval.temperature": "realscale.eval.benchmark:settings_from_config",
     "eval.top_p": "realscale.eval.benchmark:settings_from_config",
     "eval.before": "realscale.launcher.supervisor:_start_accuracy",
+    "eval.after": "realscale.launcher.supervisor:_final_accuracy",
     "generate.timeout_slack": "realscale.rollout.controller:client_kwargs",
     "run.keep_checkpoints": "realscale.trainer:Trainer.__init__",
     "run.pin_checkpoints": "realscale.trainer:Trainer.__init__",

@@ -241,7 +241,8 @@ def _pct(x: float | None) -> str:
 
 def _final_accuracy(cfg: Config, out_dir: str) -> dict[str, float] | None:
     """The held-out evaluation of the trainer ranks' HF export of the last step
-    (``<run>/final``); LaunchError when the ranks finished without writing it."""
+    (``<run>/final``; None with ``eval.after=false``); LaunchError when the ranks finished
+    without writing it (checked either way)."""
     if latest_checkpoint(out_dir) is None:
         return None
     record = read_final_export(out_dir)
@@ -250,6 +251,8 @@ def _final_accuracy(cfg: Config, out_dir: str) -> dict[str, float] | None:
         raise LaunchError(f"the trainer ranks finished without exporting step {cfg.run.total_steps} to "
                           f"{final_dir(out_dir)} ({held}); the checkpoint {latest_checkpoint(out_dir)} is intact: "
                           "run the same command again to export it")
+    if not cfg.eval.after:
+        return None
     return _heldout(cfg, final_dir(out_dir), os.path.join(out_dir, "eval_final"))
 
 

@@ -63,6 +63,24 @@ def test_eval_before_false_scores_nothing_and_the_summary_says_so(tmp_path, monk
     assert not any("paired" in k for k in lines)
 
 
+def test_eval_after_false_scores_nothing_but_still_checks_the_export(tmp_path, monkeypatch) -> None:
+    out = str(tmp_path / "r")
+    monkeypatch.setattr(supervisor, "_heldout", lambda *a: pytest.fail("evaluated with eval.after=false"))
+    monkeypatch.setattr(supervisor, "latest_checkpoint", lambda out_dir: "ckpt")
+    cfg = load_config(None, ["data.source=task:arith", f"run.output_dir={tmp_path}", "run.name=r", "eval.after=false",
+                             "run.total_steps=3"])
+    monkeypatch.setattr(supervisor, "read_final_export", lambda out_dir: {"step": 3})
+    assert supervisor._final_accuracy(cfg, out) is None
+    monkeypatch.setattr(supervisor, "read_final_export", lambda out_dir: {"step": 2})  # a stale export
+    with pytest.raises(supervisor.LaunchError, match="without exporting step 3"):
+        supervisor._final_accuracy(cfg, out)
+    scored: list[str] = []
+    monkeypatch.setattr(supervisor, "_heldout", lambda cfg, model_dir, out_dir: scored.append(out_dir) or {"x": 1})
+    monkeypatch.setattr(supervisor, "read_final_export", lambda out_dir: {"step": 3})
+    on = load_config(None, ["data.source=task:arith", f"run.output_dir={tmp_path}", "run.name=r", "run.total_steps=3"])
+    assert supervisor._final_accuracy(on, out) == {"x": 1} and scored == [os.path.join(out, "eval_final")]
+
+
 _SUPERVISOR_START = """
 import argparse, pickle, sys
 import realscale.commands.train as command

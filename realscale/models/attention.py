@@ -18,6 +18,12 @@ sits after every real one, so the causal mask alone keeps real queries off it. T
 code runs on GPUs without Transformer Engine (SDPA's flash / memory-efficient kernels),
 where the dense mask needed ``[heads, T, T]`` scores per layer.
 
+Which rows each group reads and writes (:class:`AttentionPlan`) depends only on the
+micro-batch, so the engine builds it on the host once and moves it to the device once
+(:class:`PlannedPackedParams`); each layer then only launches kernels. Built per layer
+from device-side ``cu_seqlens`` it cost, on a GPU, a ``.tolist()`` and several host
+copies per layer, each a wait for the stream (not measured here: no GPU ran it).
+
 Departures from ``DotProductAttention``: no ``attention_bias``, no learned softmax
 offset (sinks) and no query-key layer scaling (none of the families we load use them;
 each is refused by name), and softmax runs in SDPA's precision (fp32 accumulation) rather
@@ -56,59 +62,110 @@ def length_groups(lengths: list[int], ratio: float = GROUP_RATIO) -> list[list[i
     return groups
 
 
+@dataclass(frozen=True)
+class AttentionGroup:
+    """One batched SDPA call of a plan: ``index [g, L]`` the row of each (sequence, offset)
+    (a padded slot points at its sequence's last token: it sits after every real key, so
+    the causal mask hides it, and it is never read back), and the outputs written back:
+    slot ``src [w]`` of the flattened ``[g * L]`` into row ``dest [w]``."""
+
+    index: torch.Tensor
+    src: torch.Tensor
+    dest: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Which rows each batched attention call reads and writes, for a packed row of
+    ``rows`` positions: built on the host once per micro-batch and moved to the device once
+    (:meth:`to`), so that no layer copies indices to the GPU or reads a device tensor back
+    (each ``.to(cuda)`` of a pageable host tensor and each ``.tolist()`` of a CUDA tensor
+    waits for the stream: dozens of stalls per layer otherwise)."""
+
+    rows: int
+    groups: tuple[AttentionGroup, ...]
+
+    def to(self, device: torch.device | str) -> "AttentionPlan":
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        # on CUDA from pinned memory, so the copies queue behind the stream's work instead
+        # of waiting for it
+        pinned = device.type == "cuda"
+        move = lambda x: x.pin_memory().to(device, non_blocking=True) if pinned else x.to(device)  # noqa: E731
+        return AttentionPlan(self.rows, tuple(AttentionGroup(move(g.index), move(g.src), move(g.dest))
+                                              for g in self.groups))
+
+
+def attention_plan(cu_seqlens: torch.Tensor, rows: int, shared: SharedRows | None = None) -> AttentionPlan:
+    """The plan (on the host) for ``rows`` packed positions split by ``cu_seqlens`` [n + 1],
+    or laid out by ``shared`` (:mod:`realscale.models.shared_prefix`; ``cu_seqlens`` is then
+    ``[0, rows]``, or ``[0, r, rows]`` when sequence parallelism pads the ``r`` layout rows
+    with a sequence of its own). Sequences are grouped by length (:func:`length_groups`)."""
+    cu = cu_seqlens.detach().cpu().tolist()
+    if cu[-1] != rows:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]}, the packed row has {rows} tokens")
+    if shared is None:
+        token_rows = torch.arange(rows)
+        starts, lengths, owned_from = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])], [0] * (len(cu) - 1)
+    else:
+        r = shared.num_rows
+        if r > rows:
+            raise ValueError(f"the shared-prefix layout has {r} rows, the packed row only {rows}")
+        token_rows = shared.token_rows.cpu()
+        starts, lengths, owned_from = shared.seq_start.tolist(), shared.seq_len.tolist(), shared.seq_shared.tolist()
+        if r < rows:  # sequence parallelism's padding: one more sequence, after the layout's rows
+            starts.append(token_rows.numel())
+            lengths.append(rows - r)
+            owned_from.append(0)
+            token_rows = torch.cat([token_rows, torch.arange(r, rows)])
+    groups = []
+    for group in length_groups(lengths):
+        longest = lengths[group[0]]
+        offsets = torch.arange(longest)
+        first = torch.tensor([starts[i] for i in group])
+        size = torch.tensor([lengths[i] for i in group])
+        index = token_rows[first[:, None] + torch.minimum(offsets[None, :], size[:, None] - 1)]  # [g, L]
+        own = torch.tensor([owned_from[i] for i in group])
+        written = (offsets[None, :] < size[:, None]) & (offsets[None, :] >= own[:, None])
+        groups.append(AttentionGroup(index, written.flatten().nonzero().flatten(), index[written]))
+    return AttentionPlan(rows, tuple(groups))
+
+
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                            scale: float, dropout_p: float = 0.0, shared: SharedRows | None = None) -> torch.Tensor:
+                            scale: float, dropout_p: float = 0.0, shared: SharedRows | None = None,
+                            plan: AttentionPlan | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence. ``query [t, hq, d]``, ``key``/``value``
     ``[t, hk, d]`` (``hq`` a multiple of ``hk``), ``cu_seqlens [n + 1]`` (int); returns
     ``[t, hq, d]``. With ``shared`` the ``t`` rows are a shared-prefix layout
     (:mod:`realscale.models.shared_prefix`; ``cu_seqlens`` is then ``[0, t]``): each
-    sequence attends over the rows of all its tokens and writes back the rows it owns. A
-    pure tensor function: the tests compare it with per-sequence attention."""
-    t, hq, d = query.shape
-    hk = key.shape[1]
-    if int(cu_seqlens[-1]) != t:
-        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed row has {t} tokens")
-    if shared is None:
-        rows = torch.arange(t, device=query.device)
-        starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        owned_from = [0] * len(lengths)
-    else:
-        if shared.num_rows > t:
-            raise ValueError(f"the shared-prefix layout has {shared.num_rows} rows, the packed row only {t}")
-        if shared.num_rows < t:  # sequence parallelism's padding: one more sequence, after the layout's rows
-            r = shared.num_rows
-            whole = lambda n: torch.tensor([0, n], device=cu_seqlens.device)  # noqa: E731
-            return torch.cat([
-                packed_causal_attention(query[:r], key[:r], value[:r], whole(r), scale, dropout_p, shared),
-                packed_causal_attention(query[r:], key[r:], value[r:], whole(t - r), scale, dropout_p)])
-        rows = shared.token_rows.to(query.device)
-        starts, lengths, owned_from = shared.seq_start.tolist(), shared.seq_len.tolist(), shared.seq_shared.tolist()
+    sequence attends over the rows of all its tokens and writes back the rows it owns.
+    ``plan``: :func:`attention_plan` of these, already on the query's device (else built
+    here). A pure tensor function: the tests compare it with per-sequence attention."""
+    t, hq, _ = query.shape
+    if plan is None:
+        plan = attention_plan(cu_seqlens, t, shared).to(query.device)
+    elif plan.rows != t:
+        raise ValueError(f"the attention plan is for {plan.rows} rows, the packed row has {t}")
     out = query.new_empty(t, hq, value.shape[-1])
-    for group in length_groups(lengths):
-        longest = lengths[group[0]]
-        # row of (sequence, offset); padded slots point at the sequence's last token and are
-        # never read back (they sit after every real key, so the causal mask hides them)
-        offsets = torch.arange(longest, device=query.device)
-        first = torch.tensor([starts[i] for i in group], device=query.device)
-        size = torch.tensor([lengths[i] for i in group], device=query.device)
-        index = rows[first[:, None] + torch.minimum(offsets[None, :], size[:, None] - 1)]  # [g, L]
-        q = query[index].transpose(1, 2)  # [g, hq, L, d]
-        k = key[index].transpose(1, 2)
-        v = value[index].transpose(1, 2)
+    for grp in plan.groups:
+        q = query[grp.index].transpose(1, 2)  # [g, hq, L, d]
+        k = key[grp.index].transpose(1, 2)
+        v = value[grp.index].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                           enable_gqa=hq != hk).transpose(1, 2)  # [g, L, hq, d]
-        own = torch.tensor([owned_from[i] for i in group], device=query.device)
-        written = (offsets[None, :] < size[:, None]) & (offsets[None, :] >= own[:, None])
-        out[index[written]] = o[written]
+                                           enable_gqa=hq != key.shape[1]).transpose(1, 2)  # [g, L, hq, d]
+        out[grp.dest] = o.reshape(-1, hq, o.shape[-1])[grp.src]
     return out
 
 
 @dataclass
-class SharedPrefixParams(PackedSeqParams):
-    """Megatron's packed-row description with a shared-prefix layout attached: the row is one
-    THD sequence (for RoPE, which the engine feeds per-row positions) whose attention
-    :class:`PackedSDPAttention` runs per sequence of ``shared``."""
+class PlannedPackedParams(PackedSeqParams):
+    """Megatron's packed-row description with the attention plan :class:`PackedSDPAttention`
+    runs (already on the device: built once per micro-batch, read by every layer), and the
+    shared-prefix layout it was built from, if any. For RoPE the engine hands megatron the
+    row as one THD sequence (``*_padded``)."""
 
+    plan: AttentionPlan | None = None
     shared: SharedRows | None = None
 
 
@@ -130,9 +187,11 @@ class PackedSDPAttention(DotProductAttention):
             raise ValueError("PackedSDPAttention takes THD packed sequences with neither a mask nor a bias "
                              f"(got qkv_format={packed_seq_params.qkv_format!r})")
         cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
+        plan = getattr(packed_seq_params, "plan", None)  # (the engine's: queries and keys packed alike)
+        if plan is None and packed_seq_params.cu_seqlens_kv is not None and not torch.equal(
+                packed_seq_params.cu_seqlens_kv, cu):
             raise ValueError("PackedSDPAttention needs the same packing for queries and keys")
         p = self.attention_dropout.p if self.training else 0.0
         out = packed_causal_attention(query, key, value, cu, self.softmax_scale, p,
-                                      getattr(packed_seq_params, "shared", None))
+                                      getattr(packed_seq_params, "shared", None), plan)
         return out.reshape(out.shape[0], -1)  # [t, hq * d]: the attention module restores [t, 1, h]

@@ -18,7 +18,7 @@ local spec with pp = 1 and a dense model, a micro-batch whose sequences share pr
 group's prompt, answers' common starts) runs as a row of its distinct positions: each
 row's RoPE table entry is its position in its sequence (``_stage_forward``), attention
 reads the layout from the packed parameters (:class:`~realscale.models.attention.
-SharedPrefixParams`), and log-probs are computed once per distinct (row, next token)
+PlannedPackedParams`), and log-probs are computed once per distinct (row, next token)
 pair and gathered back per token, so the loss functions see the usual per-token tensors.
 
 Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
@@ -286,7 +286,8 @@ class MegatronEngine:
         return self._layouts[id(mb)]
 
     def _row(self, mb: PackedBatch, shared: SharedRows | None = None) -> dict[str, torch.Tensor]:
-        """One packed row for the model: tokens, positions, ``cu_seqlens`` (THD). With a
+        """One packed row for the model: tokens, positions (on the device), ``cu_seqlens``
+        (THD, on the host: :meth:`_packed_params` reads it there). With a
         shared-prefix layout the row holds its rows, each at its position in its sequence,
         as one THD sequence (attention reads the layout)."""
         ids = mb.input_ids if shared is None else shared.row_ids
@@ -298,10 +299,10 @@ class MegatronEngine:
             ids = torch.cat([ids, ids.new_zeros(pad)])
             positions = torch.cat([positions, torch.arange(pad)])
         cu = mb.cu_seqlens if shared is None else torch.tensor([0, shared.num_rows])
-        row = {"tokens": ids[None], "positions": positions[None], "n": torch.tensor(mb.num_tokens),
-               "cu_seqlens": torch.cat([cu, cu[-1:] + pad]) if pad else cu}
+        row = {"tokens": ids[None], "positions": positions[None], "n": torch.tensor(mb.num_tokens)}
         if self.device.type != "cpu":
             row = {k: v.to(self.device) for k, v in row.items()}
+        row["cu_seqlens"] = (torch.cat([cu, cu[-1:] + pad]) if pad else cu).cpu()  # on the host: _packed_params
         return row
 
     def _stage_forward(self, model: Any, row: dict[str, torch.Tensor], shared: SharedRows | None = None
@@ -359,30 +360,36 @@ class MegatronEngine:
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _packed_params(self, cu_seqlens: torch.Tensor, shared: SharedRows | None = None) -> Any:
-        """Megatron's THD description of a packed row (``PackedSeqParams``)."""
+        """Megatron's THD description of a packed row (``PackedSeqParams``) from its host-side
+        ``cu_seqlens``: every length megatron wants as a Python int is read on the host, and
+        the local spec's attention plan is built there and moved to the device once per
+        micro-batch (no layer waits for the GPU to read an index back)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        from realscale.models.attention import SharedPrefixParams
+        from realscale.models.attention import PlannedPackedParams, attention_plan
 
         cu = cu_seqlens.to(torch.int32)
-        if shared is not None:
-            whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
-            return SharedPrefixParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
-                                      cu_seqlens_kv_padded=whole, max_seqlen_q=int(cu[-1]),
-                                      max_seqlen_kv=int(cu[-1]), shared=shared)
-        if self.use_te:
+        total = int(cu[-1])
+        if self.use_te:  # TE's kernels read the boundaries on the device
             longest = int((cu[1:] - cu[:-1]).max())
+            cu = cu.to(self.device)
             return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                    max_seqlen_q=longest, max_seqlen_kv=longest)
-        # PackedSDPAttention reads cu_seqlens_q; megatron's THD RoPE reads the *_padded
+        # PackedSDPAttention reads the plan; megatron's THD RoPE reads the *_padded
         # boundaries (attention.py:1081-1089). Given the whole row as one padded sequence,
         # RoPE rotates every token in one call at its row position instead of looping over
         # sequences in Python (rope_utils.py:214-238, ~25% of a CPU step): RoPE scores depend
         # only on distances within a sequence, so the result is the same as per-sequence
-        # positions (the HF comparisons in tests/train check it).
-        whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32, device=cu.device)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
-                               cu_seqlens_kv_padded=whole, max_seqlen_q=int(cu[-1]), max_seqlen_kv=int(cu[-1]))
+        # positions (the HF comparisons in tests/train check it). With a shared-prefix layout
+        # the engine gives each row its own position instead (_stage_forward). The
+        # boundaries stay on the host: nothing on this spec computes with them on the device,
+        # and RoPE reads them back as Python ints in every layer (`.tolist()`, `.item()`,
+        # rope_utils.py:204 and 218, megatron-core 0.16.1), each a wait for the GPU there.
+        whole = torch.tensor([0, total], dtype=torch.int32)
+        plan = attention_plan(cu, total, shared).to(self.device)
+        return PlannedPackedParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
+                                   cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total,
+                                   plan=plan, shared=shared)
 
     def _output_weight(self, model: Any) -> torch.Tensor:
         gpt = model.module if hasattr(model, "module") else model

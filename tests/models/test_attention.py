@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from realscale.models.attention import length_groups, packed_causal_attention
+from realscale.models.attention import attention_plan, length_groups, packed_causal_attention
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -78,6 +78,65 @@ def test_bad_packing_is_refused() -> None:
     q = torch.zeros(10, 2, 4)
     with pytest.raises(ValueError, match="cu_seqlens ends at 9, the packed row has 10 tokens"):
         packed_causal_attention(q, q, q, torch.tensor([0, 4, 9]), 0.5)
+
+
+def test_with_its_plan_on_the_device_no_layer_reads_or_copies_from_the_host() -> None:
+    """The engine builds the plan once per micro-batch and moves it to the device; a layer
+    then neither copies an index from the host (a wait for the stream on CUDA, from
+    pageable memory) nor reads one back (``.tolist()``/``int()`` of a CUDA tensor: a sync).
+    Run on the meta device, where either would raise or show as an op touching a host
+    tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class HostOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+            out = func(*args, **(kwargs or {}))
+            tensors = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
+            if any(x.device.type == "cpu" for x in tensors):
+                self.seen.append(str(func))
+            return out
+
+    cu = torch.tensor([0, 5, 22, 23, 40, 41])
+    plan = attention_plan(cu, 41).to("meta")
+    assert all(x.device.type == "meta" for g in plan.groups for x in (g.index, g.src, g.dest))
+    q, k = torch.empty(41, 4, 8, device="meta"), torch.empty(41, 2, 8, device="meta")
+    cu_dev = cu.to("meta")
+    with HostOps() as ops:
+        out = packed_causal_attention(q, k, k, cu_dev, 0.5, plan=plan)
+    assert out.shape == (41, 4, 8) and ops.seen == []
+    with pytest.raises(ValueError, match="plan is for 41 rows, the packed row has 40"):
+        packed_causal_attention(q[:40], k[:40], k[:40], cu_dev, 0.5, plan=plan)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_engine_builds_the_plan_once_on_the_host_and_moves_it(shared: bool) -> None:
+    """``MegatronEngine._packed_params`` on the local spec: the boundaries megatron's RoPE
+    reads back as ints (rope_utils.py:204 ``.tolist()``, 218 ``.item()``, megatron-core
+    0.16.1) stay on the host, the plan goes to the device (``meta`` here, as the GPU)."""
+    from types import SimpleNamespace
+
+    from realscale.models.attention import PlannedPackedParams
+    from realscale.models.shared_prefix import share_prefixes
+    from realscale.train.engine import MegatronEngine
+
+    ids = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 7, 8])
+    cu = torch.tensor([0, 4, 8, 10])
+    layout = share_prefixes(ids, cu) if shared else None
+    row_cu = torch.tensor([0, layout.num_rows]) if layout is not None else cu
+    fake = SimpleNamespace(use_te=False, device=torch.device("meta"))
+    params = MegatronEngine._packed_params(fake, row_cu, layout)
+    assert isinstance(params, PlannedPackedParams) and params.shared is layout
+    for host in (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
+        assert host.device.type == "cpu"
+    assert params.plan.rows == int(row_cu[-1]) == params.max_seqlen_q
+    assert {x.device.type for g in params.plan.groups for x in (g.index, g.src, g.dest)} == {"meta"}
+    te = MegatronEngine._packed_params(SimpleNamespace(use_te=True, device=torch.device("meta")), cu)
+    assert te.cu_seqlens_q.device.type == "meta" and te.max_seqlen_q == 4  # TE's kernels read them on the device
 
 
 def test_the_local_spec_takes_packed_sequences() -> None:

@@ -362,6 +362,7 @@ def item_engine(it: Item, ctx: Ctx) -> None:
             lp = eng.logprobs(batch)["logprobs"]
             ctx.sync()
             lp_s = time.perf_counter() - t0
+            syncs = _sync_count(ctx, lambda: eng.logprobs(batch))
             ref = _hf_logprobs(path, batch, getattr(torch, dt), ctx.device)
             keep = torch.ones(batch.num_tokens, dtype=torch.bool)
             keep[batch.cu_seqlens[:-1]] = False
@@ -377,7 +378,8 @@ def item_engine(it: Item, ctx: Ctx) -> None:
                  "tokens": batch.num_tokens, "build_s": build_s, "logprobs_s": lp_s, "param_device": str(param.device),
                  "param_dtype": str(param.dtype), "train_loss": stats["loss"], "train_grad_norm": stats["grad_norm"],
                  "train_step_s": stats["time"], "micro_batches": stats["micro_batches"],
-                 "update_ok": stats["update_ok"], "logprob_change_after_step": moved}
+                 "update_ok": stats["update_ok"], "logprob_change_after_step": moved,
+                 "logprobs_syncs": syncs, "layers": eng.arch.num_layers}
             it.figures[case] = r
             it.check(f"{case}: log-probs vs HF", diff <= tol[dt], f"max|diff| {diff:.3g} > {tol[dt]}"
                      if diff > tol[dt] else None)
@@ -391,6 +393,26 @@ def item_engine(it: Item, ctx: Ctx) -> None:
     if not it.figures:
         raise RuntimeError("no engine case ran")
     it.summary = ", ".join(lines)
+
+
+def _sync_count(ctx: Ctx, fn: Callable[[], Any]) -> int | None:
+    """How many times ``fn`` made the host wait for the GPU (``torch.cuda.set_sync_debug_mode``
+    warns at each synchronizing call); None on CPU. A figure, not a check: the attention
+    plan is meant to keep it independent of the number of layers."""
+    if not ctx.cuda:
+        return None
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def _peak_matmul(ctx: Ctx, dtype: Any) -> dict[str, float]:

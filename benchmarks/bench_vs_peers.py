@@ -266,7 +266,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], target: float, title: str, path
     ax.set_ylabel("held-out sampled accuracy, %")
     names = {"trl": "TRL GRPOTrainer", "areal": "AReaL"}
     ax.set_title(f"{title}, 2-core CPU: realscale vs " + ", ".join(names[s] for s in runs if s in names)
-                 + " (each seed)")
+                 + " (each seed)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,7 @@ One warm start (``realscale sft`` of ``configs/tiny_cpu.yaml``), then for each s
 after the other (never side by side: two cores): ``realscale train`` of the recipe from
 that warm start, and TRL's ``GRPOTrainer`` set up the same way
 (``benchmarks/peers/trl_grpo.py`` says what matches and what differs). Each run's process
-tree is sampled for its peak resident memory; each final model is scored by the same
+tree is sampled for its peak memory (summed PSS, and summed RSS: ``PeakMemory``); each final model is scored by the same
 held-out evaluation (200 problems: greedy, and 4 samples at T = 1).
 
 Per system and seed: seconds from launch to the last optimizer step of the 30 rounds

@@ -108,10 +108,9 @@ RECIPES = {
 class PeakMemory:
     """Peak memory of a process and its descendants, sampled every 0.2 s: summed RSS, and
     summed PSS (each shared page divided among the processes that map it). RSS counts
-    shared pages once per process: a process forked for a moment before an exec (a
-    ``subprocess`` call), or several mapping the same weights, add their parent's whole
-    RSS again (seen at 20.7 GB RSS vs 9.6 GB PSS for the SmolLM2 recipe), so PSS is the
-    figure to compare."""
+    shared pages once per process: a forked child that still shares its parent's pages,
+    or processes mapping the same file, add those pages again (seen at 20.7 GB RSS vs
+    9.6 GB PSS for the SmolLM2 recipe), so PSS is the figure to compare."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak, self.peak_pss, self._stop = pid, 0, 0, threading.Event()

@@ -161,12 +161,11 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 @dataclass
 class PlannedPackedParams(PackedSeqParams):
     """Megatron's packed-row description with the attention plan :class:`PackedSDPAttention`
-    runs (already on the device: built once per micro-batch, read by every layer), and the
-    shared-prefix layout it was built from, if any. For RoPE the engine hands megatron the
-    row as one THD sequence (``*_padded``)."""
+    runs (already on the device: built once per micro-batch, from a shared-prefix layout
+    where there is one, read by every layer). For RoPE the engine hands megatron the row as
+    one THD sequence (``*_padded``)."""
 
     plan: AttentionPlan | None = None
-    shared: SharedRows | None = None
 
 
 class PackedSDPAttention(DotProductAttention):
@@ -192,6 +191,5 @@ class PackedSDPAttention(DotProductAttention):
                 packed_seq_params.cu_seqlens_kv, cu):
             raise ValueError("PackedSDPAttention needs the same packing for queries and keys")
         p = self.attention_dropout.p if self.training else 0.0
-        out = packed_causal_attention(query, key, value, cu, self.softmax_scale, p,
-                                      getattr(packed_seq_params, "shared", None), plan)
+        out = packed_causal_attention(query, key, value, cu, self.softmax_scale, p, plan=plan)
         return out.reshape(out.shape[0], -1)  # [t, hq * d]: the attention module restores [t, 1, h]

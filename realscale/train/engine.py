@@ -17,8 +17,8 @@ Shared prefixes (``train.share_prefixes``, :mod:`realscale.models.shared_prefix`
 local spec with pp = 1 and a dense model, a micro-batch whose sequences share prefixes (a
 group's prompt, answers' common starts) runs as a row of its distinct positions: each
 row's RoPE table entry is its position in its sequence (``_stage_forward``), attention
-reads the layout from the packed parameters (:class:`~realscale.models.attention.
-PlannedPackedParams`), and log-probs are computed once per distinct (row, next token)
+reads a plan built from the layout in the packed parameters (:class:`~realscale.models.
+attention.PlannedPackedParams`), and log-probs are computed once per distinct (row, next token)
 pair and gathered back per token, so the loss functions see the usual per-token tensors.
 
 Loss normalisation: ``train_step`` sums ``normalizer_fn`` over every micro-batch and
@@ -388,8 +388,7 @@ class MegatronEngine:
         whole = torch.tensor([0, total], dtype=torch.int32)
         plan = attention_plan(cu, total, shared).to(self.device)
         return PlannedPackedParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
-                                   cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total,
-                                   plan=plan, shared=shared)
+                                   cu_seqlens_kv_padded=whole, max_seqlen_q=total, max_seqlen_kv=total, plan=plan)
 
     def _output_weight(self, model: Any) -> torch.Tensor:
         gpt = model.module if hasattr(model, "module") else model

@@ -130,7 +130,11 @@ def test_the_engine_builds_the_plan_once_on_the_host_and_moves_it(shared: bool) 
     row_cu = torch.tensor([0, layout.num_rows]) if layout is not None else cu
     fake = SimpleNamespace(use_te=False, device=torch.device("meta"))
     params = MegatronEngine._packed_params(fake, row_cu, layout)
-    assert isinstance(params, PlannedPackedParams) and params.shared is layout
+    assert isinstance(params, PlannedPackedParams)
+    on_host = MegatronEngine._packed_params(SimpleNamespace(use_te=False, device=torch.device("cpu")), row_cu, layout)
+    want = attention_plan(row_cu, int(row_cu[-1]), layout)  # built from the layout, where there is one
+    assert [[x.tolist() for x in (g.index, g.src, g.dest)] for g in on_host.plan.groups] == [
+        [x.tolist() for x in (g.index, g.src, g.dest)] for g in want.groups]
     for host in (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
         assert host.device.type == "cpu"
     assert params.plan.rows == int(row_cu[-1]) == params.max_seqlen_q
